@@ -1,0 +1,94 @@
+"""Isolation levels and server-side namespace derivation.
+
+A tenant's namespace key is derived from a deployment secret (the salt), the tenant id and the tenant
+epoch; nothing a client sends enters it. Bumping the epoch gives a fresh key, so nothing cached before
+can be reused. The namespace *id* is a stable, non-secret tag of the owner used to purge and to apply
+quotas; it does not change with the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import blake3
+
+from policies.hashing import NamespaceKey, NamespaceSegment
+
+GLOBAL_NAMESPACE_ID = "global"
+GLOBAL_NAMESPACE_KEY = NamespaceKey(blake3.blake3(b"prefixgate/global-namespace").digest())
+
+
+def _salt_key(salt: bytes) -> bytes:
+    """blake3's keyed mode takes exactly 32 bytes; any secret length is accepted."""
+    return blake3.blake3(salt, derive_key_context="prefixgate 2026 namespace salt").digest()
+
+
+def tenant_namespace_key(salt: bytes, tenant_id: str, epoch: int) -> NamespaceKey:
+    """Secret per-tenant, per-epoch key that enters the block hash chain."""
+    message = b"tenant-namespace\0" + tenant_id.encode() + b"\0" + str(epoch).encode()
+    return NamespaceKey(blake3.blake3(message, key=_salt_key(salt)).digest())
+
+
+def tenant_namespace_id(salt: bytes, tenant_id: str) -> str:
+    """Stable opaque tag of a tenant's namespace (same across epochs; reveals nothing of the key)."""
+    digest = blake3.blake3(b"tenant-tag\0" + tenant_id.encode(), key=_salt_key(salt)).digest()
+    return "t-" + digest[:12].hex()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IsolationLevel:
+    """How one isolation level maps a tenant to namespace segments."""
+
+    name: str
+    uses_global_namespace: bool  # the whole prompt is hashed in the shared pool
+    reserved_capacity: bool  # the tenant gets its own block quota in every tier
+    may_share_hot_prefixes: bool  # may read/feed promoted global prefixes if the tenant opts in
+
+
+ISOLATION_LEVELS: Mapping[str, IsolationLevel] = {
+    "shared": IsolationLevel(
+        name="shared", uses_global_namespace=True, reserved_capacity=False, may_share_hot_prefixes=True
+    ),
+    "namespace": IsolationLevel(
+        name="namespace", uses_global_namespace=False, reserved_capacity=False, may_share_hot_prefixes=True
+    ),
+    "dedicated": IsolationLevel(
+        name="dedicated", uses_global_namespace=False, reserved_capacity=True, may_share_hot_prefixes=False
+    ),
+}
+DEFAULT_ISOLATION = "namespace"
+
+
+def namespace_segments(
+    *,
+    level: str,
+    salt: bytes,
+    tenant_id: str,
+    epoch: int,
+    reserved_blocks: int = 0,
+    promoted_prefix_tokens: int = 0,
+) -> list[NamespaceSegment]:
+    """Namespace segments for one request of one tenant.
+
+    Args:
+        level: the tenant's isolation level (a key of ``ISOLATION_LEVELS``).
+        salt: the deployment's secret salt.
+        tenant_id, epoch: the authenticated tenant and its current epoch.
+        reserved_blocks: the tenant's quota per tier when its level reserves capacity.
+        promoted_prefix_tokens: length of a promoted hot prefix (block-aligned) to hash in the global
+            namespace; ignored for levels that may not share hot prefixes.
+    """
+    isolation = ISOLATION_LEVELS[level]
+    global_segment = NamespaceSegment(start_token=0, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY)
+    if isolation.uses_global_namespace:
+        return [global_segment]
+    own = NamespaceSegment(
+        start_token=promoted_prefix_tokens if isolation.may_share_hot_prefixes else 0,
+        namespace_id=tenant_namespace_id(salt, tenant_id),
+        key=tenant_namespace_key(salt, tenant_id, epoch),
+        reserved_blocks=reserved_blocks if isolation.reserved_capacity else 0,
+    )
+    if own.start_token > 0:
+        return [global_segment, own]
+    return [own]
