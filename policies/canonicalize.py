@@ -27,18 +27,20 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from policies.chat_text import (
+    NOTE_HEADER,
     Message,
     cacheable_end,
     iter_texts,
     normalize_whitespace,
+    note_entries,
     original_offset,
     set_text,
+    split_note,
 )
 from policies.fragments import (
     BUILTIN_RULES,
@@ -48,12 +50,7 @@ from policies.fragments import (
     stable_fragments,
 )
 
-NOTE_HEADER = (
-    "[prefixgate] Values moved out of the messages above so that their prefix can be cached; "
-    "each [[n]] above stands for the value listed here."
-)
 NOTE_ROLES = ("user", "system", "developer")
-_NOTE_ENTRY = re.compile(r"\[\[(\d{1,6})\]\] (.*)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +124,9 @@ class Fragment:
     text: str
     placeholder: str  # the "[[n]]" it is (or, in report mode, would be) replaced with
 
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WhitespaceChange:
@@ -136,6 +136,9 @@ class WhitespaceChange:
     part_index: int | None
     line_endings: int  # \r\n or \r turned into \n
     trailing_runs: int  # runs of spaces/tabs removed from line ends
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,28 +159,8 @@ class CanonicalizationReport:
         return {
             "mode": self.mode,
             "moved": self.num_moved,
-            "fragments": [
-                {
-                    "rule": f.rule,
-                    "kind": f.kind,
-                    "message_index": f.message_index,
-                    "part_index": f.part_index,
-                    "start": f.start,
-                    "end": f.end,
-                    "text": f.text,
-                    "placeholder": f.placeholder,
-                }
-                for f in self.fragments
-            ],
-            "whitespace": [
-                {
-                    "message_index": w.message_index,
-                    "part_index": w.part_index,
-                    "line_endings": w.line_endings,
-                    "trailing_runs": w.trailing_runs,
-                }
-                for w in self.whitespace
-            ],
+            "fragments": [f.to_json() for f in self.fragments],
+            "whitespace": [w.to_json() for w in self.whitespace],
             "tools_changed": self.tools_changed,
         }
 
@@ -287,22 +270,6 @@ def _canonical_messages(
     if note is not None:
         new_messages.append(copy.deepcopy(note))
     return new_messages, tuple(fragments), tuple(whitespace)
-
-
-def split_note(messages: Sequence[Message]) -> tuple[list[Message], Message | None]:
-    """``(messages without the trailing note, the note or None)``."""
-    if messages:
-        last = messages[-1]
-        content = last.get("content") if isinstance(last, Mapping) else None
-        if isinstance(content, str) and content.startswith(NOTE_HEADER + "\n"):
-            return list(messages[:-1]), last
-    return list(messages), None
-
-
-def note_entries(note: Mapping[str, Any]) -> dict[str, str]:
-    """Placeholder → moved text, from a note message."""
-    lines = note["content"].split("\n")[1:]
-    return {f"[[{m.group(1)}]]": m.group(2) for line in lines if (m := _NOTE_ENTRY.fullmatch(line))}
 
 
 def restore(messages: Sequence[Message]) -> list[Message]:

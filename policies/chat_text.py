@@ -23,6 +23,11 @@ Message = dict[str, Any]
 _MARK_OPEN = "\ue000"  # Unicode private-use characters: no tokenizer merges them with real text
 _MARK_CLOSE = "\ue001"
 _MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+NOTE_HEADER = (
+    "[prefixgate] Values moved out of the messages above so that their prefix can be cached; "
+    "each [[n]] above stands for the value listed here."
+)
+_NOTE_ENTRY = re.compile(r"\[\[(\d{1,6})\]\] (.*)")
 _TRAILING_WS = re.compile(r"[ \t]+(?=\r|\n|\Z)|\r\n|\r")
 
 
@@ -98,12 +103,30 @@ def original_offset(offset: int, deletions: Sequence[tuple[int, int]]) -> int:
     return offset + sum(count for position, count in deletions if position <= offset)
 
 
+def split_note(messages: Sequence[Message]) -> tuple[list[Message], Message | None]:
+    """``(messages without the trailing note, the note or None)``."""
+    if messages:
+        last = messages[-1]
+        content = last.get("content") if isinstance(last, Mapping) else None
+        if isinstance(content, str) and content.startswith(NOTE_HEADER + "\n"):
+            return list(messages[:-1]), last
+    return list(messages), None
+
+
+def note_entries(note: Mapping[str, Any]) -> dict[str, str]:
+    """Placeholder → moved text, from a note message."""
+    lines = note["content"].split("\n")[1:]
+    return {f"[[{m.group(1)}]]": m.group(2) for line in lines if (m := _NOTE_ENTRY.fullmatch(line))}
+
+
 def cacheable_end(messages: Sequence[Mapping[str, Any]]) -> int:
     """Index of the last user message: messages before it form the cacheable part of the prompt.
 
-    With no user message at all, every message is cacheable (``len(messages)``).
+    A trailing canonicalization note is not a user turn. With no user message at all, every message
+    is cacheable (``len(messages)``).
     """
-    for index in range(len(messages) - 1, -1, -1):
+    last = len(messages) - 1 if split_note(messages)[1] is not None else len(messages)
+    for index in range(last - 1, -1, -1):
         if messages[index].get("role") == "user":
             return index
     return len(messages)

@@ -2,6 +2,7 @@ import jinja2
 import pytest
 
 from policies.chat_text import (
+    NOTE_HEADER,
     TextPosition,
     cacheable_end,
     char_to_token_offsets,
@@ -47,6 +48,9 @@ def test_iter_texts_and_cacheable_end():
     assert cacheable_end(MESSAGES) == 3
     assert cacheable_end([{"role": "system", "content": "x"}]) == 1
     assert cacheable_end([]) == 0
+    note = {"role": "user", "content": f"{NOTE_HEADER}\n[[1]] 2026-11-29"}
+    assert cacheable_end([*MESSAGES, note]) == 3  # a trailing note is not the user turn
+    assert message_boundary_positions([*MESSAGES, note]) == message_boundary_positions(MESSAGES)
 
 
 def test_normalize_whitespace_maps_offsets_back_to_the_original():
