@@ -47,7 +47,7 @@ def iter_texts(messages: Sequence[Mapping[str, Any]]) -> Iterator[tuple[int, int
     content part. Other parts (images, audio) and fields (``tool_calls``, ``name``) are not text.
     """
     for message_index, message in enumerate(messages):
-        content = message.get("content")
+        content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, str):
             yield message_index, None, content
         elif isinstance(content, list):
@@ -127,7 +127,7 @@ def cacheable_end(messages: Sequence[Mapping[str, Any]]) -> int:
     """
     last = len(messages) - 1 if split_note(messages)[1] is not None else len(messages)
     for index in range(last - 1, -1, -1):
-        if messages[index].get("role") == "user":
+        if isinstance(messages[index], Mapping) and messages[index].get("role") == "user":
             return index
     return len(messages)
 

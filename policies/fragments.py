@@ -3,44 +3,56 @@
 A *fragment* is a short, single-line value that changes from request to request (a timestamp, a
 UUID, a request id …) and so breaks prefix reuse wherever it sits. Rules are plain data in a registry
 (``BUILTIN_RULES``); tenants add their own regular expressions, validated by
-``compile_tenant_rules`` so that a tenant pattern can neither fail at request time nor take the
-gateway's event loop hostage with catastrophic backtracking.
+``compile_tenant_rules`` (``policies.pattern_safety``) so that a tenant pattern can neither fail at
+request time nor take the gateway's event loop hostage with catastrophic backtracking.
 
 False positives are kept down on purpose: dates need a four-digit year in 1900–2099 and valid
 month/day numbers; version numbers (``3.11.7``, calendar versions ``2024.1.15``) are never dates;
-plain numbers are never matched (epoch seconds/milliseconds only after a label such as
-``timestamp:``); hexadecimal ids need 16+ characters mixing digits and letters, so words and short
-hashes such as colours stay put.
+plain numbers are never matched (epoch seconds/milliseconds only right after a label such as
+``timestamp:``); hexadecimal ids need 16+ characters of one case mixing digits and letters, so words
+and short hashes such as colours stay put.
+
+Speed: every built-in pattern starts with a character class or literal (its left-edge check is a
+lookbehind placed after the first character), which lets ``re`` skip non-candidate positions in C;
+numeric ranges that would break that shape are checked by the rule's ``accept`` predicate.
 """
 
 from __future__ import annotations
 
 import re
-import re._constants as _sre  # the parser's opcodes; stable across 3.11–3.13
-import re._parser as _sre_parse  # private, but the only way to inspect a pattern without running it
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-MAX_FRAGMENT_CHARS = 256  # a fragment is a short value; longer matches are ignored
+from policies.pattern_safety import MAX_MATCH_CHARS, check_pattern_safety
+
+MAX_FRAGMENT_CHARS = MAX_MATCH_CHARS  # a fragment is a short value; longer matches are ignored
 MAX_TENANT_RULES = 16
 MAX_TENANT_PATTERN_CHARS = 256
-MAX_TENANT_REPEAT = 64  # largest upper bound of a repeat in a tenant pattern ({m,n} with n ≤ 64)
-MAX_BACKTRACK_PRODUCT = 256  # bound on paths tried per start: ≲0.3 s per 100k adversarial chars
 TENANT_RULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 # Placeholders left where a fragment was moved out (see canonicalize.py). Never matched by a rule.
 PLACEHOLDER = re.compile(r"\[\[(\d{1,6})\]\]")
 _MASK = "[[0]]"  # stands for any placeholder while matching is repeated
+_RESCAN_MARGIN = 1536  # text re-scanned on each side of a new placeholder (≥ 2 matches + lookarounds)
+_RESCAN_GUARD = 512  # matches this close to a re-scan window's cut are not trusted
+_LABEL_CONTEXT = 48  # characters before a value searched for its ``preceded_by`` label
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FragmentRule:
-    """One named detector. If the pattern has a group named ``v``, only that group is the fragment
-    (the rest of the match is context, such as a ``timestamp:`` label, and stays in place)."""
+    """One named detector.
+
+    If the pattern has a group named ``v``, only that group is the fragment (the rest of the match
+    is context and stays in place). ``preceded_by`` must match the text right before the value
+    (searched in the preceding ``_LABEL_CONTEXT`` characters, anchored with ``\\Z``); ``accept``
+    vets the value's text (numeric ranges).
+    """
 
     name: str
     kind: str  # what the value is: timestamp, date, time, epoch, uuid, trace_id, hex_id, request_id, tenant
     pattern: re.Pattern[str]
+    preceded_by: re.Pattern[str] | None = None
+    accept: Callable[[str], bool] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,84 +65,133 @@ class FragmentSpan:
     end: int
 
 
-def _rule(name: str, kind: str, pattern: str) -> FragmentRule:
-    return FragmentRule(name=name, kind=kind, pattern=re.compile(pattern))
+def _rule(name: str, kind: str, pattern: str, **options) -> FragmentRule:
+    preceded_by = options.pop("preceded_by", None)
+    return FragmentRule(
+        name=name,
+        kind=kind,
+        pattern=re.compile(pattern),
+        preceded_by=re.compile(preceded_by) if preceded_by else None,
+        **options,
+    )
 
 
-_L = r"(?<![0-9A-Za-z])"  # left edge: not inside a word or number
+def _leading_numbers(value: str, count: int) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", value)[:count]]
+
+
+def _day_month(value: str) -> bool:
+    day, month = _leading_numbers(value, 2)
+    return 1 <= day <= 31 and 1 <= month <= 12
+
+
+def _either_order(value: str) -> bool:  # 11/29/2026 or 29/11/2026
+    a, b = _leading_numbers(value, 2)
+    return 1 <= a <= 31 and 1 <= b <= 31 and min(a, b) <= 12
+
+
+def _hour_24(value: str) -> bool:
+    return _leading_numbers(value, 1)[0] <= 23
+
+
+def _hour_12(value: str) -> bool:
+    return 1 <= _leading_numbers(value, 1)[0] <= 12
+
+
+def _day(value: str) -> bool:
+    return 1 <= _leading_numbers(value, 1)[0] <= 31
+
+
+def _mixed_hex(value: str) -> bool:  # one case, at least one digit and one letter
+    return value in (value.lower(), value.upper()) and _has_digit(value) and not value.isdigit()
+
+
+def _has_digit(value: str) -> bool:
+    return any(c.isdigit() for c in value)
+
+
+_EDGE = r"(?<![0-9A-Za-z].)"  # after the first character: the one before it is not alphanumeric
 _R = r"(?![0-9A-Za-z])"
 _YEAR = r"(?:19|20)\d\d"
+_YEAR_FIRST = r"[12](?<![0-9A-Za-z].)(?:(?<=1)9|(?<=2)0)\d\d"  # a year that opens a match
 _MONTH = r"(?:0[1-9]|1[0-2])"
 _DAY = r"(?:0[1-9]|[12]\d|3[01])"
-_MONTH1 = r"(?:0?[1-9]|1[0-2])"
 _DAY1 = r"(?:0?[1-9]|[12]\d|3[01])"
 _HMS = r"(?:[01]\d|2[0-3]):[0-5]\d(?::(?:[0-5]\d|60)(?:[.,]\d{1,9})?)?"
 _TZ = r"(?:Z|[+-](?:[01]\d|2[0-3]):?[0-5]\d)"
-_MON = (
-    r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
-    r"|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September")
+_MONTHS += ("October", "November", "December")
+_MON = "(?:" + "|".join(f"{m[:3]}(?:{m[3:]})?" if len(m) > 3 else m for m in _MONTHS) + "|Sept)"
+_MON3 = "(?:" + "|".join(m[:3] for m in _MONTHS) + ")"
+# a month name that opens a match: its first letter, the edge check, then the rest of a real name
+_MON_FIRST = (
+    f"[{''.join(sorted({m[0] for m in _MONTHS}))}]{_EDGE}(?:"
+    + "|".join(f"(?<={m[0]}){m[1:3]}(?:{m[3:]})?" if len(m) > 3 else f"(?<={m[0]}){m[1:]}" for m in _MONTHS)
+    + "|(?<=S)ept)"
 )
-_MON3 = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
-_WEEKDAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_WEEKDAY_FIRST = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)(?<![0-9A-Za-z]...)"
 _ORD = r"(?:st|nd|rd|th)?"
 _LABEL_SEP = r"[\"']?[ \t]{0,2}[:=][ \t]{0,2}[\"']?"
+_HEX = "[0-9a-fA-F]"
 
 # Order matters only between matches that start at the same character and have the same length.
 BUILTIN_RULES: Mapping[str, FragmentRule] = {
     r.name: r
     for r in (
-        _rule("iso8601", "timestamp", rf"{_L}{_YEAR}-{_MONTH}-{_DAY}[T ]{_HMS}{_TZ}?{_R}"),
-        _rule("iso8601_basic", "timestamp", rf"{_L}{_YEAR}{_MONTH}{_DAY}T[0-2]\d[0-5]\d[0-5]\dZ?{_R}"),
+        _rule("iso8601", "timestamp", rf"{_YEAR_FIRST}-{_MONTH}-{_DAY}[T ]{_HMS}{_TZ}?{_R}"),
+        _rule("iso8601_basic", "timestamp", rf"{_YEAR_FIRST}{_MONTH}{_DAY}T[0-2]\d[0-5]\d[0-5]\dZ?{_R}"),
         _rule(
             "rfc2822",
             "timestamp",
-            rf"{_L}{_WEEKDAY}, {_DAY1} {_MON3} {_YEAR} {_HMS}(?: (?:[+-]\d{{4}}|GMT|UTC?|[ECMP][SD]T))?{_R}",
+            rf"{_WEEKDAY_FIRST}, {_DAY1} {_MON3} {_YEAR} {_HMS}"
+            rf"(?: (?:[+-]\d{{4}}|GMT|UTC?|[ECMP][SD]T))?{_R}",
         ),
-        _rule("ctime", "timestamp", rf"{_L}{_WEEKDAY} {_MON3} [ 0-3]\d {_HMS} {_YEAR}{_R}"),
-        _rule("date_iso", "date", rf"{_L}{_YEAR}-{_MONTH}-{_DAY}{_R}"),
-        _rule("date_ymd_slash", "date", rf"(?<![\w/]){_YEAR}/{_MONTH}/{_DAY}(?![\w/])"),
-        _rule("date_slash", "date", rf"(?<![\w/]){_DAY1}/{_DAY1}/{_YEAR}(?![\w/])"),
-        _rule("date_dots", "date", rf"(?<![\w.]){_DAY1}\.{_MONTH1}\.{_YEAR}(?!\w|\.\d)"),
+        _rule("ctime", "timestamp", rf"{_WEEKDAY_FIRST} {_MON3} [ 0-3]\d {_HMS} {_YEAR}{_R}"),
+        _rule("date_iso", "date", rf"{_YEAR_FIRST}-{_MONTH}-{_DAY}{_R}"),
+        _rule("date_ymd_slash", "date", rf"[12](?<![\w/].)(?:(?<=1)9|(?<=2)0)\d\d/{_MONTH}/{_DAY}(?![\w/])"),
+        _rule("date_slash", "date", rf"\d(?<![\w/].)\d?/\d\d?/{_YEAR}(?![\w/])", accept=_either_order),
+        _rule("date_dots", "date", rf"\d(?<![\w.].)\d?\.\d\d?\.{_YEAR}(?!\w|\.\d)", accept=_day_month),
         _rule(
-            "date_month_name",
+            "date_weekday_name",
             "date",
-            rf"{_L}(?:{_WEEKDAY}[a-z]{{0,6}},? )?(?:{_MON}\.? {_DAY1}{_ORD},? {_YEAR}"
-            rf"|{_DAY1}{_ORD} {_MON}\.?,? {_YEAR}){_R}",
+            rf"{_WEEKDAY_FIRST}[a-z]{{0,6}},? "
+            rf"(?:{_MON}\.? {_DAY1}{_ORD},? {_YEAR}|{_DAY1}{_ORD} {_MON}\.?,? {_YEAR}){_R}",
         ),
+        _rule("date_month_name", "date", rf"{_MON_FIRST}\.? {_DAY1}{_ORD},? {_YEAR}{_R}"),
+        _rule("date_day_name", "date", rf"\d{_EDGE}\d?{_ORD} {_MON}\.?,? {_YEAR}{_R}", accept=_day),
         _rule(
             "time",
             "time",
-            r"(?<![\w:])(?:[01]?\d|2[0-3]):[0-5]\d:[0-5]\d(?:[.,]\d{1,9})?"
+            r"\d(?<![\w:].)\d?:[0-5]\d:[0-5]\d(?:[.,]\d{1,9})?"
             r"(?: ?(?:AM|PM|am|pm))?(?: ?(?:Z|UTC|GMT|[+-]\d\d:?\d\d))?(?!:\d|\w)",
+            accept=_hour_24,
         ),
-        _rule("time_ampm", "time", r"(?<![\w:])(?:0?[1-9]|1[0-2]):[0-5]\d ?(?:AM|PM|am|pm)(?!\w)"),
+        _rule("time_ampm", "time", r"\d(?<![\w:].)\d?:[0-5]\d ?(?:AM|PM|am|pm)(?!\w)", accept=_hour_12),
         _rule(
             "epoch",
             "epoch",
-            r"(?i:\b(?:timestamp|time|ts|epoch|created(?:_at)?|updated(?:_at)?|date|now)\b)"
-            rf"{_LABEL_SEP}(?P<v>1\d{{9}}(?:\d{{3}})?(?:\.\d{{1,6}})?)(?![\w.])",
+            r"1(?<![\w.].)\d{9}(?:\d{3})?(?:\.\d{1,6})?(?![\w.])",
+            preceded_by=r"(?i:\b(?:timestamp|datetime|time|ts|epoch|created(?:_at)?|updated(?:_at)?|date|now))"
+            rf"{_LABEL_SEP}\Z",
         ),
-        _rule("uuid", "uuid", r"(?<![\w-])[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}(?![\w-])"),
-        _rule("traceparent", "trace_id", r"(?<![\w-])00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?![\w-])"),
+        _rule("uuid", "uuid", rf"{_HEX}(?<![\w-].){_HEX}{{7}}(?:-{_HEX}{{4}}){{3}}-{_HEX}{{12}}(?![\w-])"),
+        _rule("traceparent", "trace_id", r"0(?<![\w-].)0-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?![\w-])"),
         _rule(
             "prefixed_id",
             "request_id",
             r"(?<![\w-])(?:req|request|trace|span|corr|session|sess|msg|run|call|chatcmpl|resp|evt|job|txn)"
-            r"[_-](?=[A-Za-z0-9]{0,63}\d)[A-Za-z0-9]{6,64}(?![\w-])",
+            r"[_-][A-Za-z0-9]{6,64}(?![\w-])",
+            accept=_has_digit,
         ),
         _rule(
             "labeled_id",
             "request_id",
-            r"(?i:\b(?:x-)?(?:request|req|trace|span|correlation|session|transaction|txn|message|msg"
-            r"|conversation|run|user)[-_ ]?id\b)"
-            rf"{_LABEL_SEP}(?P<v>(?=[\w.:-]{{0,63}}\d)[\w-](?:[\w.:-]{{0,62}}[\w-])?)(?![\w-])",
+            r"\b(?=[xXrRtTsScCmMuU])(?i:(?:x-)?(?:request|req|trace|span|correlation|session|transaction|txn"
+            r"|message|msg|conversation|run|user)[-_ ]?id\b)"
+            rf"{_LABEL_SEP}(?P<v>[\w-](?:[\w.:-]{{0,62}}[\w-])?)(?![\w-])",
+            accept=_has_digit,
         ),
-        _rule(
-            "hex_id",
-            "hex_id",
-            r"(?<![\w-])(?:(?=[0-9a-f]{0,63}\d)(?=[0-9a-f]{0,63}[a-f])[0-9a-f]{16,64}"
-            r"|(?=[0-9A-F]{0,63}\d)(?=[0-9A-F]{0,63}[A-F])[0-9A-F]{16,64})(?![\w-])",
-        ),
+        _rule("hex_id", "hex_id", rf"{_HEX}(?<![\w-].){_HEX}{{15,63}}(?![\w-])", accept=_mixed_hex),
     )
 }
 
@@ -142,22 +203,28 @@ def find_fragments(text: str, rules: Iterable[FragmentRule]) -> list[FragmentSpa
     Matches that overlap a placeholder (``[[n]]``, left by an earlier canonicalization), span a line
     break or exceed ``MAX_FRAGMENT_CHARS`` are ignored, so the result is stable under re-application.
     """
-    protected = [m.span() for m in PLACEHOLDER.finditer(text)]
-    candidates: list[tuple[int, int, int, int, int, FragmentRule]] = []
+    protected = [m.span() for m in PLACEHOLDER.finditer(text)] if "[[" in text else []
+    candidates: list[tuple[int, int, int, int, FragmentRule]] = []
     for order, rule in enumerate(rules):
+        has_value_group = "v" in rule.pattern.groupindex
         for match in rule.pattern.finditer(text):
-            start, end = match.span("v") if "v" in rule.pattern.groupindex else match.span()
-            outer_start, outer_end = match.span()
+            start, end = match.span("v") if has_value_group else match.span()
             value = text[start:end]
             if not value or len(value) > MAX_FRAGMENT_CHARS or "\n" in value or "\r" in value:
                 continue
-            if any(ps < outer_end and outer_start < pe for ps, pe in protected):
+            if rule.accept is not None and not rule.accept(value):
                 continue
-            candidates.append((start, -(end - start), order, end, outer_start, rule))
+            if rule.preceded_by is not None and not rule.preceded_by.search(
+                text, max(0, start - _LABEL_CONTEXT), start
+            ):
+                continue
+            if protected and any(ps < match.end() and match.start() < pe for ps, pe in protected):
+                continue
+            candidates.append((start, -(end - start), order, end, rule))
     candidates.sort(key=lambda c: c[:3])
     spans: list[FragmentSpan] = []
     taken_to = 0
-    for start, _, _, end, _, rule in candidates:
+    for start, _, _, end, rule in candidates:
         if start >= taken_to:
             spans.append(FragmentSpan(rule=rule.name, kind=rule.kind, start=start, end=end))
             taken_to = end
@@ -167,44 +234,68 @@ def find_fragments(text: str, rules: Iterable[FragmentRule]) -> list[FragmentSpa
 def stable_fragments(text: str, rules: Sequence[FragmentRule]) -> list[FragmentSpan]:
     """Fragments of ``text`` such that, once each is replaced by a placeholder, no rule matches again.
 
-    Replacing a fragment changes its neighbours' context (a boundary that failed may now succeed),
-    so matching is repeated on the masked text until nothing new is found; this is what makes
-    canonicalization idempotent. Each round adds at least one disjoint span, so it terminates.
+    Replacing a fragment changes its neighbours' context (a boundary that failed may now succeed,
+    a match hidden behind an overlapping one may appear), so matching is repeated on the masked text
+    until nothing new is found; this is what makes canonicalization idempotent. A new match can only
+    appear near a new placeholder, so only windows around those are re-scanned. Each round adds at
+    least one disjoint span, so it terminates.
     """
     spans = find_fragments(text, rules)
-    found = spans
-    while found:
-        masked, starts = _mask(text, spans)
-        found = []
-        for span in find_fragments(masked, rules):
-            shift = _shift_at(span.start, starts)
-            found.append(replace(span, start=span.start - shift, end=span.end - shift))
-        spans = sorted(spans + found, key=lambda s: s.start)
+    new = spans
+    while new:
+        masked, masks = _mask(text, spans)
+        fresh = {(s.start, s.end) for s in new}
+        windows = _merge(
+            (max(0, ms - _RESCAN_MARGIN), min(len(masked), me + _RESCAN_MARGIN))
+            for span, (ms, me, _) in zip(spans, masks, strict=True)
+            if (span.start, span.end) in fresh
+        )
+        new = []
+        for lo, hi in windows:
+            for span in find_fragments(masked[lo:hi], rules):
+                if (lo and span.start < _RESCAN_GUARD) or (
+                    hi < len(masked) and span.end > hi - lo - _RESCAN_GUARD
+                ):
+                    continue
+                shift = _shift_at(lo + span.start, masks)
+                new.append(replace(span, start=lo + span.start - shift, end=lo + span.end - shift))
+        spans = sorted(spans + new, key=lambda s: s.start)
     return spans
 
 
-def _mask(text: str, spans: Sequence[FragmentSpan]) -> tuple[str, list[tuple[int, int]]]:
-    """``text`` with each span replaced by ``_MASK``; ``(masked end of each mask, total shift after it)``."""
+def _mask(text: str, spans: Sequence[FragmentSpan]) -> tuple[str, list[tuple[int, int, int]]]:
+    """``text`` with each span replaced by ``_MASK``, and per span ``(masked start, masked end,
+    total length change up to its end)``."""
     pieces: list[str] = []
-    marks: list[tuple[int, int]] = []
-    cursor = 0
-    shift = 0
+    masks: list[tuple[int, int, int]] = []
+    cursor = shift = 0
     for span in spans:
         pieces += [text[cursor : span.start], _MASK]
+        masked_start = span.start + shift
         shift += len(_MASK) - (span.end - span.start)
-        marks.append((span.start + shift + (span.end - span.start), shift))
+        masks.append((masked_start, masked_start + len(_MASK), shift))
         cursor = span.end
     pieces.append(text[cursor:])
-    return "".join(pieces), marks
+    return "".join(pieces), masks
 
 
-def _shift_at(masked_pos: int, marks: Sequence[tuple[int, int]]) -> int:
+def _shift_at(masked_pos: int, masks: Sequence[tuple[int, int, int]]) -> int:
     shift = 0
-    for masked_end, total in marks:
+    for _, masked_end, total in masks:
         if masked_end > masked_pos:
             break
         shift = total
     return shift
+
+
+def _merge(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(windows):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def compile_tenant_rules(patterns: Mapping[str, str]) -> tuple[FragmentRule, ...]:
@@ -213,7 +304,7 @@ def compile_tenant_rules(patterns: Mapping[str, str]) -> tuple[FragmentRule, ...
     Raises:
         ValueError: with a message naming the pattern, if there are too many patterns, a name is
             invalid or shadows a built-in rule, a pattern does not compile, can match empty text, or
-            could backtrack catastrophically (see ``check_pattern_safety``).
+            could backtrack catastrophically (``policies.pattern_safety.check_pattern_safety``).
     """
     if len(patterns) > MAX_TENANT_RULES:
         raise ValueError(f"at most {MAX_TENANT_RULES} canonicalization patterns per tenant")
@@ -234,99 +325,3 @@ def compile_tenant_rules(patterns: Mapping[str, str]) -> tuple[FragmentRule, ...
             raise ValueError(f"pattern {name!r} rejected: {problem}")
         rules.append(FragmentRule(name=name, kind="tenant", pattern=compiled))
     return tuple(rules)
-
-
-def check_pattern_safety(source: str, *, max_cost: int = MAX_BACKTRACK_PRODUCT) -> str | None:
-    """Why ``source`` is unsafe to run on untrusted text, or None if it is acceptable.
-
-    Python's ``re`` backtracks and has no timeout, so safety is decided on the parsed pattern:
-    every repeat is bounded (``{m,n}``, n ≤ ``MAX_TENANT_REPEAT``; no ``*``, ``+``, ``{m,}``), so a
-    search costs at most a bounded amount per starting position; a repeat that may iterate holds only
-    fixed-width bodies without alternation (``(a|ab){1,9}``, ``(x{1,3}){1,9}`` are the exponential
-    shapes) unless the body is atomic or the repeat possessive; the product of repeat ranges along a
-    path stays under ``max_cost``; no back-references; no empty matches; a match is
-    at most ``MAX_FRAGMENT_CHARS`` long.
-    """
-    tree = _sre_parse.parse(source)
-    try:
-        cost = _path_cost(tree, max_cost)
-    except _UnsafePattern as exc:
-        return str(exc)
-    if cost > max_cost:
-        return f"too many ambiguous repeats in a row (backtracking bound {cost} > {max_cost})"
-    low, high = tree.getwidth()
-    if low == 0:
-        return "it can match empty text"
-    if high > MAX_FRAGMENT_CHARS:
-        return f"it can match more than {MAX_FRAGMENT_CHARS} characters"
-    return None
-
-
-class _UnsafePattern(Exception):
-    pass
-
-
-_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
-
-
-def _path_cost(items: Sequence, max_cost: int) -> int:
-    """Bound on the paths a match attempt may try from one position; raises _UnsafePattern on an
-    unsafe shape.
-
-    A repeat multiplies by its range; an alternation of fixed-width branches (``0[1-9]|1[0-2]``)
-    fails or succeeds within its width and multiplies by its costliest branch, other alternations by
-    the sum of their branches. Lookarounds and atomic groups never backtrack into their body once
-    done, so their bodies are checked as separate scopes and count 1 for the enclosing path.
-    """
-    cost = 1
-    for op, av in items:
-        if op in _REPEATS:
-            low, high, body = av
-            if high == _sre.MAXREPEAT or high > MAX_TENANT_REPEAT:
-                raise _UnsafePattern(f"unbounded repeat; write {{m,n}} with n ≤ {MAX_TENANT_REPEAT}")
-            if op == _sre.POSSESSIVE_REPEAT:
-                _check_scope(body, max_cost)
-                continue
-            width_low, width_high = body.getwidth()
-            if high > 1 and not _is_atomic(body) and (width_low != width_high or _has_branch(body)):
-                raise _UnsafePattern(
-                    "a repeat over a variable-width or alternating body (nested quantifiers); "
-                    "make the body atomic (?>…) or the repeat possessive"
-                )
-            cost *= (high - low + 1) * _path_cost(body, max_cost)
-        elif op == _sre.SUBPATTERN:
-            cost *= _path_cost(av[3], max_cost)
-        elif op == _sre.BRANCH:
-            costs = [_path_cost(branch, max_cost) for branch in av[1]]
-            fixed = all(branch.getwidth()[0] == branch.getwidth()[1] for branch in av[1])
-            cost *= max(costs) if fixed else sum(costs)
-        elif op == _sre.ATOMIC_GROUP:
-            _check_scope(av, max_cost)
-        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            _check_scope(av[1], max_cost)
-        elif op in (_sre.GROUPREF, _sre.GROUPREF_EXISTS):
-            raise _UnsafePattern("back-references and conditionals are not allowed")
-    return cost
-
-
-def _check_scope(items: Sequence, max_cost: int) -> None:
-    if _path_cost(items, max_cost) > max_cost:
-        raise _UnsafePattern("a lookaround, atomic group or possessive repeat is too ambiguous")
-
-
-def _is_atomic(items: Sequence) -> bool:
-    if len(items) != 1:
-        return False
-    op, av = items[0]
-    return op == _sre.ATOMIC_GROUP or (op == _sre.SUBPATTERN and _is_atomic(av[3]))
-
-
-def _has_branch(items: Sequence) -> bool:
-    for op, av in items:
-        if op == _sre.BRANCH:
-            return True
-        if op == _sre.SUBPATTERN and _has_branch(av[3]):
-            return True
-        if op in _REPEATS and _has_branch(av[2]):
-            return True
-    return False

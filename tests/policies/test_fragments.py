@@ -9,11 +9,11 @@ from policies.fragments import (
     BUILTIN_RULES,
     MAX_TENANT_RULES,
     PLACEHOLDER,
-    check_pattern_safety,
     compile_tenant_rules,
     find_fragments,
     stable_fragments,
 )
+from policies.pattern_safety import check_pattern_safety
 
 RULES = tuple(BUILTIN_RULES.values())
 
@@ -35,10 +35,14 @@ def found(text: str, rules=RULES) -> list[tuple[str, str]]:
         ("on 2026/11/29", [("date_ymd_slash", "2026/11/29")]),
         ("on 11/29/2026 and 29/11/2026", [("date_slash", "11/29/2026"), ("date_slash", "29/11/2026")]),
         ("am 29.11.2026.", [("date_dots", "29.11.2026")]),
-        ("Today is Saturday, November 29, 2026.", [("date_month_name", "Saturday, November 29, 2026")]),
+        ("Today is Saturday, November 29, 2026.", [("date_weekday_name", "Saturday, November 29, 2026")]),
+        (
+            "Sept. 3rd, 2026 or 30th Sep 2026",
+            [("date_month_name", "Sept. 3rd, 2026"), ("date_day_name", "30th Sep 2026")],
+        ),
         (
             "on Nov. 29th, 2026 and 1 May 2026",
-            [("date_month_name", "Nov. 29th, 2026"), ("date_month_name", "1 May 2026")],
+            [("date_month_name", "Nov. 29th, 2026"), ("date_day_name", "1 May 2026")],
         ),
         ("it is 14:03:22 now", [("time", "14:03:22")]),
         ("meet at 2:03 PM", [("time_ampm", "2:03 PM")]),
@@ -170,3 +174,45 @@ def test_stable_fragments_leave_nothing_to_match_once_masked(text):
     assert find_fragments(masked, RULES) == []
     assert all(a.end <= b.start for a, b in pairwise(spans))
     assert not any(PLACEHOLDER.search(text[s.start : s.end]) for s in spans)
+
+
+def test_masking_can_reveal_a_new_match_and_the_rescan_finds_it_far_into_long_text():
+    # "14:03:22" is not a time while followed by ":2"; once the date after it is masked, it is.
+    pad = "lorem ipsum dolor " * 200
+    text = pad + "14:03:22:2026-11-29 " + pad + "at 14:03:22:2026-11-30." + pad
+    spans = stable_fragments(text, RULES)
+    assert [(s.rule, text[s.start : s.end]) for s in spans] == [
+        ("time", "14:03:22"),
+        ("date_iso", "2026-11-29"),
+        ("time", "14:03:22"),
+        ("date_iso", "2026-11-30"),
+    ]
+    assert [s.rule for s in find_fragments(text, RULES)] == ["date_iso", "date_iso"]
+
+
+def _full_rescan_reference(text: str) -> list[tuple[int, int]]:
+    spans = [(s.start, s.end) for s in find_fragments(text, RULES)]
+    while True:
+        masked, shifts, cursor, shift = [], [], 0, 0
+        for start, end in spans:
+            masked += [text[cursor:start], "[[0]]"]
+            shift += 5 - (end - start)
+            shifts.append((start + shift + (end - start), shift))
+            cursor = end
+        masked = "".join([*masked, text[cursor:]])
+        found = []
+        for s in find_fragments(masked, RULES):
+            delta = max((d for e, d in shifts if e <= s.start), default=0)
+            found.append((s.start - delta, s.end - delta))
+        if not found:
+            return spans
+        spans = sorted(spans + found)
+
+
+_pad = st.sampled_from([" ", "\n", "lorem ipsum " * 150, "x" * 700])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(_pieces, _pad), max_size=12).map("".join))
+def test_windowed_rescan_equals_a_full_rescan(text):
+    assert [(s.start, s.end) for s in stable_fragments(text, RULES)] == _full_rescan_reference(text)
