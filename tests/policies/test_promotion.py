@@ -222,3 +222,58 @@ async def test_revoked_prefixes_stay_known_and_forget_resets_counts():
     hot = [PrefixStats(prefix_hash=H, hits=5000, num_tenants=9)]
     assert promotion_candidates(PromotionPolicy(), prefix, hot, known={H}, now=0.0) == []
     assert len(promotion_candidates(PromotionPolicy(), prefix, hot, known=set(), now=0.0)) == 1
+
+
+# -- the gateway's wiring, end to end in pure code ------------------------------------------------
+
+
+async def test_canonicalized_requests_of_three_tenants_promote_their_shared_system_prompt():
+    import jinja2
+
+    from policies.canonicalize import CanonicalizationPolicy, canonicalize_request
+    from policies.chat_text import (
+        char_to_token_offsets,
+        insert_markers,
+        locate_markers,
+        message_boundary_positions,
+    )
+    from worker.tokenizer import BYTE_CHAT_TEMPLATE, TokenizerBundle
+
+    tokenizer = TokenizerBundle.byte_level()
+    template = jinja2.Environment().from_string(BYTE_CHAT_TEMPLATE)
+
+    def render(request) -> str:
+        return template.render(messages=request["messages"], bos_token="<|bos|>", add_generation_prompt=True)
+
+    system = "You are the support bot of Example Corp. Answer in English. " * 4 + "Now: {now}."
+    canon, policy = CanonicalizationPolicy(mode="on"), PromotionPolicy(min_hits_per_hour=3, min_tenants=3)
+    counter, promoted = InMemoryPromotionCounter(), {}
+    for tenant, now in (
+        ("t-a", "2026-11-29T10:00:00Z"),
+        ("t-b", "2026-11-29T10:00:07Z"),
+        ("t-c", "14:03:22"),
+    ):
+        request = {
+            "messages": [
+                {"role": "system", "content": system.format(now=now)},
+                {"role": "user", "content": tenant},
+            ]
+        }
+        request = canonicalize_request(request, canon).request
+        positions = message_boundary_positions(request["messages"])
+        plain = render(request)
+        chars = locate_markers(
+            render({**request, "messages": insert_markers(request["messages"], positions)}),
+            plain,
+            len(positions),
+        )
+        encoding = tokenizer.tokenizer.encode(plain, add_special_tokens=False)
+        offsets = char_to_token_offsets([start for start, _ in encoding.offsets], chars)
+        prefixes = boundary_prefixes(encoding.ids, offsets, block_size=16, model_fingerprint=FP)
+        assert hot_prefix_access("namespace", True)
+        for record in await observe(counter, policy, prefixes, TenantTag(tenant), 0.0, known=promoted):
+            promoted[record.prefix_hash] = record
+    (record,) = promoted.values()
+    # <|bos|> <|start|> "system\n" (2 + 7 tokens), then the canonical system prompt, one byte a token
+    assert record.num_tenants == 3 and record.num_tokens == (9 + len(system.format(now="[[1]]"))) // 16 * 16
+    assert longest_promoted_prefix(prefixes, promoted) == record.num_tokens
