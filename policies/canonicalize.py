@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from policies.chat_text import (
@@ -174,7 +174,7 @@ class CanonicalRequest:
     """
 
     request: dict[str, Any]
-    report: CanonicalizationReport = field(default_factory=lambda: CanonicalizationReport(mode="off"))
+    report: CanonicalizationReport
 
 
 def canonicalize_request(request: Mapping[str, Any], policy: CanonicalizationPolicy) -> CanonicalRequest:

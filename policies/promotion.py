@@ -72,13 +72,16 @@ def boundary_prefixes(
     Args:
         token_ids: the prompt's tokens (as sent to the worker).
         boundary_token_offsets: token offsets of message boundaries (``chat_text.char_to_token_offsets``
-            of ``message_boundary_positions``); None entries are skipped. Each is floored to a whole
-            number of blocks; boundaries inside the first block give nothing.
+            of ``message_boundary_positions``); None entries and offsets past the prompt are skipped.
+            Each is floored to a whole number of blocks; boundaries inside the first block give nothing.
         block_size, model_fingerprint: as the worker hashes (``/v1/info``).
     """
-    full_tokens = len(token_ids) // block_size * block_size
     lengths = sorted(
-        {min(o, full_tokens) // block_size * block_size for o in boundary_token_offsets if o is not None}
+        {
+            o // block_size * block_size
+            for o in boundary_token_offsets
+            if o is not None and o <= len(token_ids)
+        }
         - {0}
     )
     if not lengths:

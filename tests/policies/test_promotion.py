@@ -153,11 +153,12 @@ def test_counter_matches_a_brute_force_window(events, cap):
 def test_boundary_prefixes_are_block_aligned_global_form_hashes():
     tokens = list(range(100))
     prefixes = boundary_prefixes(tokens, [5, 16, 40, 40, 47, None, 500], block_size=16, model_fingerprint=FP)
-    assert [p.num_tokens for p in prefixes] == [16, 32, 96]
+    assert [p.num_tokens for p in prefixes] == [16, 32]  # 500 is past the prompt: not a boundary
     global_hashes = block_hashes(
         tokens, 16, FP, namespace_segments(level="shared", salt=b"s", tenant_id="x", epoch=0)
     )
-    assert [p.prefix_hash for p in prefixes] == [global_hashes[i].hex() for i in (0, 1, 5)]
+    assert [p.prefix_hash for p in prefixes] == [global_hashes[i].hex() for i in (0, 1)]
+    assert boundary_prefixes(tokens, [100], block_size=16, model_fingerprint=FP)[0].num_tokens == 96
     assert boundary_prefixes(tokens, [3, None], block_size=16, model_fingerprint=FP) == []
 
 
