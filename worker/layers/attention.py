@@ -121,10 +121,16 @@ class PagedAttention(nn.Module):
             offset = span.context_len - span.query_len
             rows = torch.arange(span.query_len, device=q.device)[:, None] + offset
             mask, causal = torch.arange(span.context_len, device=q.device)[None, :] <= rows, False
+        # A leading batch dimension selects PyTorch's fast CPU kernels (3-D inputs are several times slower).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cache-free causal attention over [B, T, hidden] (training and reference checks)."""
