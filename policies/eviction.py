@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+from policies.eviction_prefix import PrefixAwarePolicy
 from policies.eviction_s3fifo import S3FIFOPolicy
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "BlockMeta",
     "EvictionPolicy",
     "LRUPolicy",
+    "PrefixAwarePolicy",
     "S3FIFOPolicy",
     "make_policy",
 ]
@@ -62,9 +64,9 @@ class LRUPolicy(EvictionPolicy):
 
 
 POLICIES: Mapping[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, S3FIFOPolicy, ARCPolicy)
+    cls.name: cls for cls in (LRUPolicy, S3FIFOPolicy, ARCPolicy, PrefixAwarePolicy)
 }
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "prefix"
 
 
 def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:

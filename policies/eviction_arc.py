@@ -17,7 +17,9 @@ from collections.abc import Callable
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 
 
-def _first_evictable(order: OrderedDict[BlockId, None], can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+def _first_evictable(
+    order: OrderedDict[BlockId, None], can_evict: Callable[[BlockId], bool]
+) -> BlockId | None:
     for block_id in order:
         if can_evict(block_id):
             return block_id
