@@ -1,5 +1,9 @@
 """ARC, the Adaptive Replacement Cache (Megiddo & Modha, FAST'03), as libCacheSim's ``ARC.c`` runs it.
 
+libCacheSim's reading of the paper is kept where the paper is loose: ``p`` and its steps are floats,
+REPLACE takes T1's block whenever T2 is empty, and case IV-A drops B1's oldest id whenever B1 is not
+empty (else it evicts T1's oldest block without a ghost).
+
 T1 holds blocks seen once recently, T2 blocks seen at least twice; B1 and B2 are ghost lists (ids only)
 of blocks evicted from T1 and T2. A miss that finds its id in B1 grows ``p``, the target size of T1;
 one found in B2 shrinks it. Eviction (REPLACE) takes T1's LRU block while T1 is over ``p``, else T2's.
@@ -38,19 +42,19 @@ class ARCPolicy(EvictionPolicy):
         self._t2: OrderedDict[BlockId, None] = OrderedDict()
         self._b1: OrderedDict[BlockId, None] = OrderedDict()
         self._b2: OrderedDict[BlockId, None] = OrderedDict()
-        self.target_t1_blocks = 0  # ARC's p
+        self.target_t1_blocks = 0.0  # ARC's p
         self._ghost_hit: tuple[BlockId, int] | None = None  # (id, 1 or 2): the pending miss was in B1/B2
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         self._ghost_hit = None
         if block_id in self._b1:
-            delta = max(len(self._b2) // len(self._b1), 1)
+            delta = max(len(self._b2) / len(self._b1), 1.0)
             self.target_t1_blocks = min(self.target_t1_blocks + delta, self.capacity_blocks)
             del self._b1[block_id]
             self._ghost_hit = (block_id, 1)
         elif block_id in self._b2:
-            delta = max(len(self._b1) // len(self._b2), 1)
-            self.target_t1_blocks = max(self.target_t1_blocks - delta, 0)
+            delta = max(len(self._b1) / len(self._b2), 1.0)
+            self.target_t1_blocks = max(self.target_t1_blocks - delta, 0.0)
             del self._b2[block_id]
             self._ghost_hit = (block_id, 2)
 
@@ -79,11 +83,10 @@ class ARCPolicy(EvictionPolicy):
             return self._replace(can_evict, in_b2=self._ghost_hit[1] == 2)
         capacity = self.capacity_blocks
         if len(self._t1) + len(self._b1) >= capacity:
-            if len(self._t1) < capacity:
-                if self._b1:
-                    self._b1.popitem(last=False)
+            if self._b1:
+                self._b1.popitem(last=False)
                 return self._replace(can_evict, in_b2=False)
-            victim = _first_evictable(self._t1, can_evict)  # T1 alone fills the cache: no ghost
+            victim = _first_evictable(self._t1, can_evict)  # B1 empty: T1 fills the directory, no ghost
             if victim is not None:
                 del self._t1[victim]
                 return victim
@@ -95,7 +98,7 @@ class ARCPolicy(EvictionPolicy):
     def _replace(self, can_evict: Callable[[BlockId], bool], *, in_b2: bool) -> BlockId | None:
         """ARC's REPLACE: move the LRU evictable block of T1 (to B1) or of T2 (to B2)."""
         size_t1, p = len(self._t1), self.target_t1_blocks
-        from_t1 = size_t1 > 0 and (size_t1 > p or (size_t1 == p and in_b2))
+        from_t1 = (size_t1 > 0 and (size_t1 > p or (size_t1 == p and in_b2))) or not self._t2
         lists = ((self._t1, self._b1), (self._t2, self._b2))
         for data, ghost in lists if from_t1 else lists[::-1]:
             victim = _first_evictable(data, can_evict)
