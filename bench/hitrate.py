@@ -13,6 +13,7 @@ Prints a table, saves a plot of hit ratio against capacity, and ends with one JS
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -87,52 +88,46 @@ def simulate_one(
 
 def run_sweep(sweep: Sweep, console: Console) -> list[Result]:
     """Every (trace, isolation, mode, capacity, policy) combination of the sweep, with a progress bar."""
-    loaded = []
+    cases = []  # (trace path, requests, isolation, mode, capacity fraction, capacity in blocks)
     for path in sweep.traces:
         requests = load_trace(path)[: sweep.max_requests]
-        loaded.append((path, requests, num_unique_blocks(requests)))
-    num_runs = len(sweep.isolations) * len(sweep.modes) * len(sweep.policies)
-    num_runs *= len(sweep.capacities or sweep.capacity_blocks or ())
+        sizes = _sizes(sweep, num_unique_blocks(requests))
+        for isolation, mode, (capacity, blocks) in itertools.product(sweep.isolations, sweep.modes, sizes):
+            cases.append((path, requests, isolation, mode, capacity, blocks))
     results: list[Result] = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("replaying", total=num_runs * sum(len(r) for _, r, _ in loaded))
-        for path, requests, num_unique in loaded:
-            sizes = _sizes(sweep, num_unique)
-            for isolation in sweep.isolations:
-                for mode in sweep.modes:
-                    for capacity, blocks in sizes:
-                        done: dict[str, Result] = {}  # resolved name -> result (``default`` reuses it)
-                        for policy in sweep.policies:
-                            resolved = DEFAULT_POLICY if policy == "default" else policy
-                            if resolved in done:
-                                progress.advance(task, len(requests))
-                                results.append(_renamed(done[resolved], policy))
-                                continue
-                            progress.update(
-                                task, description=f"{path.name} {isolation} {mode} {policy} {blocks}"
-                            )
-                            started = time.perf_counter()
-                            counts = simulate_one(
-                                requests,
-                                resolved,
-                                blocks,
-                                isolation=isolation,
-                                mode=mode,
-                                on_request=lambda: progress.advance(task),
-                            )
-                            result = Result(
-                                trace=path.name,
-                                policy=policy,
-                                capacity=capacity,
-                                capacity_blocks=blocks,
-                                isolation=isolation,
-                                mode=mode,
-                                hit_ratio=round(counts.hit_ratio, 4),
-                                prefix_hit_ratio=round(counts.prefix_hit_ratio, 4),
-                                seconds=round(time.perf_counter() - started, 2),
-                            )
-                            done[resolved] = result
-                            results.append(result)
+        work = sum(len(case[1]) for case in cases) * len(sweep.policies)
+        task = progress.add_task("replaying", total=work)
+        for path, requests, isolation, mode, capacity, blocks in cases:
+            done: dict[str, Result] = {}  # resolved policy name -> its result (``default`` reuses one)
+            for policy in sweep.policies:
+                resolved = DEFAULT_POLICY if policy == "default" else policy
+                if resolved in done:
+                    progress.advance(task, len(requests))
+                    results.append(_renamed(done[resolved], policy))
+                    continue
+                progress.update(task, description=f"{path.name} {isolation} {mode} {policy} {blocks}")
+                started = time.perf_counter()
+                counts = simulate_one(
+                    requests,
+                    resolved,
+                    blocks,
+                    isolation=isolation,
+                    mode=mode,
+                    on_request=lambda: progress.advance(task),
+                )
+                done[resolved] = Result(
+                    trace=path.name,
+                    policy=policy,
+                    capacity=capacity,
+                    capacity_blocks=blocks,
+                    isolation=isolation,
+                    mode=mode,
+                    hit_ratio=round(counts.hit_ratio, 4),
+                    prefix_hit_ratio=round(counts.prefix_hit_ratio, 4),
+                    seconds=round(time.perf_counter() - started, 2),
+                )
+                results.append(done[resolved])
     return results
 
 
