@@ -58,7 +58,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     name = "prefix"
 
     ghost_factor = 16  # remembered evicted blocks, × capacity
-    max_ghost_blocks = 1 << 21  # hard cap on remembered blocks, whatever the capacity
+    max_ghost_blocks = 1 << 20  # hard cap on remembered blocks (~220 bytes each), whatever the capacity
     probe_window_factor = 0.25  # recent victims per segment watched for misses, × capacity
     rate_prior_factor = 0.25  # prior span (accesses) added to a block's observed span, × capacity
     recency_scale_factor = 1.0  # accesses one e-fold of reuse rate is worth, × capacity
