@@ -21,6 +21,15 @@ from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.hashing import BlockHash
 
 
+def content_id(block_hash: BlockHash) -> BlockId:
+    """The id a policy sees for a block: stable for its content, unlike the slot it occupies.
+
+    Policies remember ids across evictions (ghost lists, reuse history); a slot id would mix the history
+    of unrelated blocks that happened to use the same slot.
+    """
+    return BlockId(int.from_bytes(block_hash[:8], "little"))
+
+
 class NoFreeBlocksError(RuntimeError):
     """Every block is referenced or protected; nothing can be allocated."""
 
@@ -67,6 +76,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block_id: dict[BlockHash, int] = {}
+        self._slot_of: dict[BlockId, int] = {}  # policy (content) id -> block id, for cached blocks
         self.policy = make_policy(eviction_policy, num_blocks)
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
         self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others
@@ -140,7 +150,8 @@ class BlockManager:
             if block.ref_count == 0:
                 self._evictable_by_ns[block.namespace_id] -= 1
             block.ref_count += 1
-            self.policy.on_hit(BlockId(block_id), now)
+            assert block.block_hash is not None, "only cached blocks are shared"
+            self.policy.on_hit(content_id(block.block_hash), now)
 
     def allocate(self, namespace_id: str = "") -> int:
         """A fresh private block with ``ref_count == 1``, evicting a cached block if none is free.
@@ -188,11 +199,12 @@ class BlockManager:
             self._evictable_by_ns[namespace_id] += 1
         meta = BlockMeta(
             position=position,
-            parent=BlockId(parent_id) if parent_id is not None else None,
+            parent=content_id(parent_hash) if parent_id is not None and parent_hash is not None else None,
             namespace_id=namespace_id,
             request_blocks=request_blocks,
         )
-        self.policy.on_insert(BlockId(block_id), meta, self._clock())
+        self._slot_of[content_id(block_hash)] = block_id
+        self.policy.on_insert(content_id(block_hash), meta, self._clock())
         return True
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -228,7 +240,7 @@ class BlockManager:
                     victims.add(child)
                     stack.append(child)
         for block_id in victims:
-            self.policy.on_remove(BlockId(block_id))
+            self.policy.on_remove(content_id(self.blocks[block_id].block_hash))  # type: ignore[arg-type]
             self._uncache(block_id, leaving=victims)
         return len(victims)
 
@@ -249,7 +261,8 @@ class BlockManager:
         return num_blocks
 
     def _evict_one(self, requester: str, *, required: bool = True) -> bool:
-        victim = self.policy.evict(lambda b: self._can_evict(b, requester))
+        chosen = self.policy.evict(lambda pid: self._can_evict(self._slot_of[pid], requester))
+        victim = None if chosen is None else self._slot_of[chosen]
         if victim is None:
             if required:
                 raise NoFreeBlocksError("no free or evictable KV block")
@@ -265,6 +278,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.block_hash is not None
         del self.hash_to_block_id[block.block_hash]
+        del self._slot_of[content_id(block.block_hash)]
         if block.parent_id is not None and block.parent_id not in leaving:
             self.blocks[block.parent_id].num_children -= 1
         block.num_children = 0  # evicted blocks are leaves; a purge takes the children with it
