@@ -51,3 +51,10 @@ def current_revision(url: str) -> str | None:
             await engine.dispose()
 
     return asyncio.run(read())
+
+
+async def upgrade_database_async(url: str, revision: str = "head") -> None:
+    """``upgrade_database`` from async code (Alembic's async env runs its own loop, in a thread here)."""
+    import asyncio
+
+    await asyncio.to_thread(upgrade_database, url, revision)
