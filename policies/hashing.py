@@ -41,6 +41,15 @@ def root_hash(model_fingerprint: bytes, namespace_key: bytes) -> BlockHash:
     return BlockHash(blake3.blake3(DOMAIN + model_fingerprint + namespace_key).digest())
 
 
+def chain_hash(parent: BlockHash, block_bytes: bytes, namespace_key: bytes | None = None) -> BlockHash:
+    """One link of the chain: the hash of a block given its parent's hash and its tokens' bytes.
+
+    ``namespace_key`` is given only for the first block of a later namespace segment.
+    """
+    data = parent + block_bytes if namespace_key is None else parent + _NS_MARK + namespace_key + block_bytes
+    return BlockHash(blake3.blake3(data).digest())
+
+
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32, the byte form that enters the hash."""
     return np.asarray(token_ids, dtype="<u4").tobytes()
@@ -77,10 +86,7 @@ def block_hashes(
     parent = root_hash(model_fingerprint, segments[0].key)
     hashes: list[BlockHash] = []
     for k in range(num_blocks):
-        chunk = raw[k * stride : (k + 1) * stride]
-        key = switch_at.get(k)
-        data = parent + chunk if key is None else parent + _NS_MARK + key + chunk
-        parent = BlockHash(blake3.blake3(data).digest())
+        parent = chain_hash(parent, raw[k * stride : (k + 1) * stride], switch_at.get(k))
         hashes.append(parent)
     return hashes
 

@@ -80,7 +80,9 @@ def namespace_segments(
             namespace; ignored for levels that may not share hot prefixes.
     """
     isolation = ISOLATION_LEVELS[level]
-    global_segment = NamespaceSegment(start_token=0, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY)
+    global_segment = NamespaceSegment(
+        start_token=0, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY
+    )
     if isolation.uses_global_namespace:
         return [global_segment]
     own = NamespaceSegment(

@@ -1,0 +1,158 @@
+"""Exact block ids, reference counts, free-list order and eviction order of the block manager."""
+
+import pytest
+
+from policies.hashing import BlockHash
+from worker.block_manager import BlockManager, NoFreeBlocksError
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(name.encode().ljust(32, b"\0"))
+
+
+def toks(k: int) -> list[int]:
+    return [k] * 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def make(num_blocks: int = 4, **kw) -> BlockManager:
+    return BlockManager(num_blocks, 4, eviction_policy="lru", clock=Clock(), **kw)
+
+
+def cache_chain(bm: BlockManager, names: list[str], ns: str = "a") -> list[int]:
+    """Allocate, fill and publish a chain of blocks as one sequence would; returns their ids."""
+    ids = [bm.allocate(ns) for _ in names]
+    for k, (block_id, name) in enumerate(zip(ids, names, strict=True)):
+        parent = h(names[k - 1]) if k else None
+        assert bm.cache(block_id, h(name), toks(k), parent, namespace_id=ns, position=k)
+    return ids
+
+
+def test_allocation_takes_blocks_from_the_free_list_in_order():
+    bm = make()
+    assert [bm.allocate() for _ in range(3)] == [0, 1, 2]
+    assert [b.ref_count for b in bm.blocks] == [1, 1, 1, 0]
+    assert list(bm.free_block_ids) == [3]
+
+
+def test_private_blocks_return_to_the_tail_of_the_free_list():
+    bm = make()
+    ids = [bm.allocate() for _ in range(2)]
+    bm.release(ids)
+    assert list(bm.free_block_ids) == [2, 3, 1, 0]  # released deepest first
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_cached_blocks_survive_release_and_are_matched_and_shared():
+    bm = make()
+    ids = cache_chain(bm, ["x", "y"])
+    bm.release(ids)
+    assert bm.num_cached_blocks == 2 and bm.num_evictable_blocks == 2
+    assert list(bm.free_block_ids) == [2, 3]
+    matched = bm.match_prefix([h("x"), h("y"), h("z")], [toks(0), toks(1), toks(2)])
+    assert matched == [0, 1]
+    bm.acquire(matched)
+    bm.acquire(matched)
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    assert bm.num_evictable_blocks == 0
+    bm.release(matched)
+    bm.release(matched)
+    assert bm.num_evictable_blocks == 2
+
+
+def test_match_stops_at_a_gap_and_at_a_token_mismatch():
+    bm = make()
+    bm.release(cache_chain(bm, ["x", "y"]))
+    assert bm.match_prefix([h("q"), h("y")], [toks(0), toks(1)]) == []
+    assert bm.match_prefix([h("x"), h("y")], [toks(0), [9, 9, 9, 9]]) == [0]  # collision guard
+
+
+def test_duplicate_hash_and_orphan_blocks_stay_private():
+    bm = make()
+    bm.release(cache_chain(bm, ["x"]))
+    dup = bm.allocate()
+    assert not bm.cache(dup, h("x"), toks(0), None, namespace_id="a", position=0)
+    orphan = bm.allocate()
+    assert not bm.cache(orphan, h("o"), toks(1), h("missing-parent"), namespace_id="a", position=1)
+    bm.release([dup, orphan])
+    assert bm.num_cached_blocks == 1 and bm.num_free_blocks == 3
+
+
+def test_eviction_is_leaf_first_and_in_lru_order():
+    bm = make(num_blocks=4)
+    first = cache_chain(bm, ["a0", "a1"])  # blocks 0, 1
+    second = cache_chain(bm, ["b0", "b1"])  # blocks 2, 3
+    bm.release(first)
+    bm.release(second)
+    assert bm.num_free_blocks == 0
+    # The oldest block (0, a0) has a cached child, so its leaf (1, a1) goes first, then 0 itself.
+    assert bm.allocate() == 1
+    assert bm.allocate() == 0
+    assert bm.match_prefix([h("a0")], [toks(0)]) == []
+    assert bm.match_prefix([h("b0"), h("b1")], [toks(0), toks(1)]) == [2, 3]
+    assert bm.num_evictions == 2
+
+
+def test_hits_refresh_lru_order():
+    bm = make(num_blocks=2)
+    x = cache_chain(bm, ["x"])
+    y = cache_chain(bm, ["y"])
+    bm.release(x)
+    bm.release(y)
+    bm.acquire(x)  # x is now the most recently used
+    bm.release(x)
+    assert bm.allocate() == y[0]
+
+
+def test_blocks_in_use_are_never_evicted():
+    bm = make(num_blocks=2)
+    held = cache_chain(bm, ["x", "y"])
+    assert not bm.can_allocate(1)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate()
+    bm.release(held)
+    assert bm.can_allocate(2)
+
+
+def test_purge_erases_a_namespace_and_its_descendants_only():
+    bm = make(num_blocks=6)
+    a = cache_chain(bm, ["a0", "a1"], ns="a")
+    b = cache_chain(bm, ["b0", "b1"], ns="b")
+    bm.release(a)
+    assert bm.purge("a") == 2
+    assert bm.match_prefix([h("a0")], [toks(0)]) == []
+    assert bm.num_cached_blocks == 2
+    # b's blocks are in use: purge unpublishes them now and frees them when released.
+    assert bm.purge("b") == 2
+    assert bm.num_cached_blocks == 0
+    bm.release(b)
+    assert bm.num_free_blocks == 6
+    assert all(blk.num_children == 0 and blk.ref_count == 0 for blk in bm.blocks)
+
+
+def test_reserved_blocks_are_protected_from_other_owners():
+    bm = make(num_blocks=4)
+    assert bm.set_reservation("dedicated", 2) == 2
+    bm.release(cache_chain(bm, ["d0", "d1"], ns="dedicated"))
+    bm.release(cache_chain(bm, ["s0", "s1"], ns="other"))
+    assert bm.num_available_blocks("other") == 2
+    assert bm.num_available_blocks("dedicated") == 4
+    assert sorted([bm.allocate("other"), bm.allocate("other")]) == [2, 3]
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate("other")
+    assert bm.allocate("dedicated") == 1  # the owner may evict its own blocks
+
+
+def test_reservations_are_capped():
+    bm = make(num_blocks=10, max_reserved_fraction=0.5)
+    assert bm.set_reservation("a", 4) == 4
+    assert bm.set_reservation("b", 4) == 1
+    assert bm.set_reservation("a", 0) == 0 and "a" not in bm.reserved_blocks

@@ -1,0 +1,22 @@
+"""``python -m worker`` (also ``prefixgate worker``): serve the inference worker over HTTP."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from worker.config import parse_args
+from worker.server import create_app
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
+    web.run_app(create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Bookkeeping of the paged KV pool: blocks, reference counts, the free list and the prefix cache.
+
+Plain Python, no torch: the model runner owns the tensor, this owns the ids. A block is *private* while
+it is being filled, then *cached* once it is full and computed: it is published under its chained hash
+and stays after its sequences finish, until the eviction policy picks it. Invariants:
+
+- a cached block's parent (previous block of its chain) is cached too: eviction is leaf-first (a block
+  with cached children is never a victim) and purge removes whole namespaces;
+- a block with ``ref_count > 0`` is never evicted, reused or freed;
+- ``free_block_ids`` holds exactly the blocks that are neither cached nor referenced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.eviction import BlockId, BlockMeta, make_policy
+from policies.hashing import BlockHash
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Every block is referenced or protected; nothing can be allocated."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0  # running sequences whose block table holds this block
+    block_hash: BlockHash | None = None  # set while the block is cached (full, computed, published)
+    token_ids: tuple[int, ...] = ()  # the block's tokens while cached: a guard against hash collisions
+    parent_id: int | None = None  # cached block before this one in the chain (None: first block)
+    num_children: int = 0  # cached blocks whose parent is this one
+    namespace_id: str = ""  # owner tag (purge, quotas)
+
+    def reset(self) -> None:
+        self.block_hash, self.token_ids, self.parent_id, self.namespace_id = None, (), None, ""
+
+
+class BlockManager:
+    """Allocates blocks, shares cached prefixes and evicts through a policy from ``policies.eviction``."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eviction_policy: str = "default",
+        max_reserved_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block_id: dict[BlockHash, int] = {}
+        self.policy = make_policy(eviction_policy, num_blocks)
+        self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
+        self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others
+        self._cached_by_ns: Counter[str] = Counter()
+        self._evictable_by_ns: Counter[str] = Counter()  # cached blocks with ref_count 0
+        self.num_evictions = 0
+        self._clock = clock
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block_id)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return sum(self._evictable_by_ns.values())
+
+    def num_available_blocks(self, namespace_id: str = "") -> int:
+        """Blocks that ``allocate`` could hand to ``namespace_id`` right now (free + evictable by it)."""
+        protected = 0
+        for ns, reserved in self.reserved_blocks.items():
+            if ns != namespace_id:
+                evictable = self._evictable_by_ns[ns]
+                protected += evictable - min(evictable, max(0, self._cached_by_ns[ns] - reserved))
+        return self.num_free_blocks + self.num_evictable_blocks - protected
+
+    def can_allocate(self, num_blocks: int, namespace_id: str = "") -> bool:
+        return self.num_available_blocks(namespace_id) >= num_blocks
+
+    def match_prefix(self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
+        """Ids of the longest run of cached blocks matching ``hashes`` from the first block on.
+
+        ``token_blocks[k]`` are block k's tokens; a hash hit whose tokens differ (a collision) ends the run.
+        """
+        matched: list[int] = []
+        for block_hash, tokens in zip(hashes, token_blocks, strict=False):
+            block_id = self.hash_to_block_id.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            matched.append(block_id)
+        return matched
+
+    # ---- reservations --------------------------------------------------------------------------
+    def set_reservation(self, namespace_id: str, num_blocks: int) -> int:
+        """Protect up to ``num_blocks`` cached blocks of ``namespace_id`` from other owners' evictions.
+
+        The total of all reservations is capped at ``max_reserved_blocks``; returns the granted amount.
+        """
+        others = sum(v for ns, v in self.reserved_blocks.items() if ns != namespace_id)
+        granted = max(0, min(num_blocks, self.max_reserved_blocks - others))
+        if granted:
+            self.reserved_blocks[namespace_id] = granted
+        else:
+            self.reserved_blocks.pop(namespace_id, None)
+        return granted
+
+    # ---- mutations -----------------------------------------------------------------------------
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks a new sequence reuses (counts as a hit for the policy)."""
+        now = self._clock()
+        for block_id in reversed(block_ids):  # deepest first, so ancestors look more recently used
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._evictable_by_ns[block.namespace_id] -= 1
+            block.ref_count += 1
+            self.policy.on_hit(BlockId(block_id), now)
+
+    def allocate(self, namespace_id: str = "") -> int:
+        """A fresh private block with ``ref_count == 1``, evicting a cached block if none is free.
+
+        Raises:
+            NoFreeBlocksError: every block is referenced or protected.
+        """
+        if not self.free_block_ids:
+            self._evict_one(namespace_id)
+        block_id = self.free_block_ids.popleft()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def cache(
+        self,
+        block_id: int,
+        block_hash: BlockHash,
+        token_ids: Sequence[int],
+        parent_hash: BlockHash | None,
+        *,
+        namespace_id: str,
+        position: int,
+        request_blocks: int = 0,
+    ) -> bool:
+        """Publish a full, computed private block under its hash.
+
+        Returns False (the block stays private and is freed with its sequence) when the hash is already
+        cached by another block, or when the parent is no longer cached (the block could never be hit).
+        """
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.hash_to_block_id:
+            return False
+        parent_id = None
+        if parent_hash is not None:
+            parent_id = self.hash_to_block_id.get(parent_hash)
+            if parent_id is None:
+                return False
+            self.blocks[parent_id].num_children += 1
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.parent_id, block.namespace_id = parent_id, namespace_id
+        self.hash_to_block_id[block_hash] = block_id
+        self._cached_by_ns[namespace_id] += 1
+        if block.ref_count == 0:
+            self._evictable_by_ns[namespace_id] += 1
+        meta = BlockMeta(
+            position=position,
+            parent=BlockId(parent_id) if parent_id is not None else None,
+            namespace_id=namespace_id,
+            request_blocks=request_blocks,
+        )
+        self.policy.on_insert(BlockId(block_id), meta, self._clock())
+        return True
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop a finished or cancelled sequence's references; private blocks go back to the free list."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} released more often than acquired")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    block.reset()
+                    self.free_block_ids.append(block_id)
+                else:
+                    self._evictable_by_ns[block.namespace_id] += 1
+
+    def purge(self, namespace_id: str) -> int:
+        """Unpublish every cached block of ``namespace_id`` and their descendants; returns how many.
+
+        Blocks still referenced by running sequences become private and are freed when those finish.
+        """
+        children: dict[int, list[int]] = {}
+        for block in self.blocks:
+            if block.block_hash is not None and block.parent_id is not None:
+                children.setdefault(block.parent_id, []).append(block.block_id)
+        victims = {
+            b.block_id for b in self.blocks if b.block_hash is not None and b.namespace_id == namespace_id
+        }
+        stack = list(victims)
+        while stack:  # descendants in other namespaces would be stranded: they go too
+            for child in children.get(stack.pop(), ()):
+                if child not in victims:
+                    victims.add(child)
+                    stack.append(child)
+        for block_id in victims:
+            self.policy.on_remove(BlockId(block_id))
+            self._uncache(block_id, leaving=victims)
+        return len(victims)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _can_evict(self, block_id: int, requester: str) -> bool:
+        block = self.blocks[block_id]
+        if block.ref_count or block.num_children or block.block_hash is None:
+            return False
+        owner = block.namespace_id
+        reserved = self.reserved_blocks.get(owner, 0)
+        return not (reserved and owner != requester and self._cached_by_ns[owner] <= reserved)
+
+    def _evict_one(self, requester: str) -> None:
+        victim = self.policy.evict(lambda b: self._can_evict(b, requester))
+        if victim is None:
+            raise NoFreeBlocksError("no free or evictable KV block")
+        self._uncache(victim, leaving={victim})
+        self.num_evictions += 1
+
+    def _uncache(self, block_id: int, *, leaving: set[int]) -> None:
+        """Unpublish one block; ``leaving`` are all blocks unpublished together (a purge's whole set)."""
+        block = self.blocks[block_id]
+        assert block.block_hash is not None
+        del self.hash_to_block_id[block.block_hash]
+        if block.parent_id is not None and block.parent_id not in leaving:
+            self.blocks[block.parent_id].num_children -= 1
+        block.num_children = 0  # evicted blocks are leaves; a purge takes the children with it
+        self._cached_by_ns[block.namespace_id] -= 1
+        if block.ref_count == 0:
+            self._evictable_by_ns[block.namespace_id] -= 1
+            block.reset()
+            self.free_block_ids.append(block_id)
+        else:
+            block.reset()

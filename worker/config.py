@@ -1,0 +1,64 @@
+"""Worker configuration: command-line flags and ``PREFIXGATE_WORKER_*`` environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerConfig:
+    model: str = "builtin"  # "builtin", "random-<preset>" or a Hugging Face model directory
+    host: str = "127.0.0.1"
+    port: int = 8100
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # L1 budget; num_blocks overrides it
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # per engine step: decode tokens + prefill chunk
+    eviction_policy: str = "default"
+    data_dir: Path | None = None
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def _env_default(name: str, default: object) -> object:
+    raw = os.environ.get(f"PREFIXGATE_WORKER_{name.upper()}")
+    return default if raw is None else raw
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    defaults = WorkerConfig()
+    parser = argparse.ArgumentParser(prog="prefixgate worker", description="prefixgate inference worker")
+    for f in fields(WorkerConfig):
+        default = getattr(defaults, f.name)
+        kind = {"int": int, "int | None": int, "Path | None": Path}.get(str(f.type), str)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=_env_default(f.name, default))
+    args = parser.parse_args(argv)
+    values = {}
+    for f in fields(WorkerConfig):
+        value = getattr(args, f.name)
+        if isinstance(value, str) and str(f.type) in ("int", "int | None"):  # from the environment
+            value = int(value)
+        elif isinstance(value, str) and str(f.type) == "Path | None":
+            value = Path(value)
+        values[f.name] = value
+    return WorkerConfig(**values)

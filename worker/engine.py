@@ -1,0 +1,388 @@
+"""The inference engine: a loop thread that schedules, runs the model and streams tokens to asyncio.
+
+aiohttp handlers call ``Engine.generate`` (an async iterator of ``RequestOutput``); the loop thread owns
+the scheduler, block manager and model runner, so none of them needs locks. Commands reach the thread
+through a queue; outputs come back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import torch
+
+from policies.hashing import NamespaceKey, NamespaceSegment
+from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.config import WorkerConfig
+from worker.model.loader import LoadedModel, load_model
+from worker.model_runner import ModelRunner, kv_bytes_per_block
+from worker.scheduler import Scheduler
+from worker.sequence import SamplingParams, Sequence, Status, Timings
+from worker.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("prefixgate.worker")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (maps to HTTP 400)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str = ""  # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None  # set on the final output
+    error: str | None = None  # set when the engine failed the request
+
+
+@dataclass(slots=True)
+class _Handle:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput]
+
+    def push(self, output: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+
+
+def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
+    """Identity of everything that shapes a block's KV: weights, tokenizer, KV dtype and block size."""
+    h = blake3.blake3(b"prefixgate/model-fingerprint/v1")
+    h.update(loaded.weights_digest)
+    h.update(blake3.blake3(loaded.tokenizer.tokenizer_json.encode()).digest())
+    h.update(f"{kv_dtype}|{block_size}".encode())
+    return h.digest()
+
+
+class Engine:
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        dtype = config.torch_dtype()
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device)
+        self.tokenizer = self.loaded.tokenizer
+        model = self.loaded.model
+        bytes_per_block = kv_bytes_per_block(model, config.block_size, dtype)
+        num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // bytes_per_block)
+        self.fingerprint = model_fingerprint(self.loaded, dtype, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, eviction_policy=config.eviction_policy
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            model_fingerprint=self.fingerprint,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            clock=time.monotonic,
+        )
+        self.runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, device=self.device
+        )
+        capacity_tokens = (num_blocks - 1) * config.block_size
+        self.max_model_len = min(
+            config.max_model_len or 1 << 30, self.loaded.config.max_context_tokens, capacity_tokens
+        )
+        self.bytes_per_block = bytes_per_block
+        self.prefill_tokens_per_s = 0.0
+        self.counters: dict[str, int] = {
+            "requests_total": 0,
+            "requests_aborted": 0,
+            "prompt_tokens_total": 0,
+            "cached_tokens_total": 0,
+            "generated_tokens_total": 0,
+            "preemptions_total": 0,
+            "engine_errors_total": 0,
+        }
+        self._handles: dict[str, _Handle] = {}
+        self._sequences: dict[str, Sequence] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._warmup()
+        self._thread = threading.Thread(target=self._loop, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- public API (event-loop side) --------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise RequestError for a request that cannot be served as given."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt must contain at least one token")
+        vocab = self.loaded.config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise RequestError(f"token ids must be in [0, {vocab})")
+        if sampling.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
+                f"exceeds the context window of {self.max_model_len} tokens"
+            )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        segments: list[NamespaceSegment],
+        *,
+        use_cache: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks."""
+        self.validate(prompt_token_ids, sampling)
+        if request_id in self._handles:
+            raise RequestError(f"request id {request_id!r} is already running")
+        handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue())
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            segments=tuple(segments),
+            use_cache=use_cache,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            timings=Timings(arrival_s=time.monotonic()),
+        )
+        self._handles[request_id] = handle
+        self._inbox.put(("add", seq))
+        finished = False
+        try:
+            while not finished:
+                output = await handle.outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._handles.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._handles
+
+    async def purge(self, namespace_id: str) -> dict[str, int]:
+        """Erase every cached block of ``namespace_id``; returns the number erased per tier."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[dict[str, int]] = loop.create_future()
+        self._inbox.put(("purge", (namespace_id, loop, done)))
+        return await done
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            **self.counters,
+            "num_blocks_total": bm.num_blocks,
+            "num_blocks_free": bm.num_free_blocks,
+            "num_blocks_cached": bm.num_cached_blocks,
+            "num_blocks_in_use": bm.num_blocks - bm.num_free_blocks - bm.num_evictable_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "evictions_total": bm.num_evictions,
+            "eviction_policy": bm.policy.name,
+            "reserved_blocks": dict(bm.reserved_blocks),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
+        }
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            block = not self.scheduler.has_work
+            try:
+                while True:
+                    command, arg = self._inbox.get(block=block)
+                    block = False
+                    if command == "stop":
+                        return
+                    self._handle_command(command, arg)
+            except queue.Empty:
+                pass
+            if self.scheduler.has_work:
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must fail requests, never kill the worker
+                    log.exception("engine step failed")
+                    self.counters["engine_errors_total"] += 1
+                    self._fail_all(f"engine error: {type(exc).__name__}")
+
+    def _handle_command(self, command: str, arg: Any) -> None:
+        if command == "add":
+            seq: Sequence = arg
+            if seq.request_id not in self._handles:  # cancelled before it arrived
+                return
+            for segment in seq.segments:
+                if segment.reserved_blocks:
+                    self.block_manager.set_reservation(segment.namespace_id, segment.reserved_blocks)
+            self._sequences[seq.request_id] = seq
+            self.scheduler.add(seq)
+            self.counters["requests_total"] += 1
+            self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
+        elif command == "purge":
+            namespace_id, loop, done = arg
+            erased = {"l1": self.block_manager.purge(namespace_id)}
+            loop.call_soon_threadsafe(done.set_result, erased)
+        elif command == "abort":
+            seq = self._sequences.pop(arg, None)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self.runner.forget(seq)
+                self.counters["requests_aborted"] += 1
+
+    def _step(self) -> None:
+        try:
+            step = self.scheduler.schedule()
+        except NoFreeBlocksError as exc:
+            seq = self.scheduler.waiting[0]
+            self._finish(seq, "error", error=str(exc))
+            return
+        if step.is_empty:
+            return
+        started = time.perf_counter()
+        result = self.runner.execute(step)
+        elapsed = time.perf_counter() - started
+        if result.num_prefill_tokens >= 64:
+            rate = result.num_prefill_tokens / elapsed
+            self.prefill_tokens_per_s = (
+                rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            )
+        for seq in step.decodes:
+            self.scheduler.advance(seq, 1)
+        for chunk in step.prefills:
+            self.scheduler.advance(chunk.seq, chunk.length)
+        now = time.monotonic()
+        for seq, token in result.sampled.items():
+            if seq.timings.first_token_s is None:
+                seq.timings.first_token_s = now
+                self.counters["cached_tokens_total"] += seq.num_cached_tokens
+            self._append_token(seq, token)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        self.counters["generated_tokens_total"] += 1
+        params = seq.sampling
+        reason = None
+        if token in params.stop_token_ids or (
+            token in self.tokenizer.eos_token_ids and not params.ignore_eos
+        ):
+            reason = "stop"
+        else:
+            seq.detokenizer.add(token)
+            text = seq.detokenizer.text
+            for stop in params.stop:
+                at = text.find(stop, max(0, seq.emitted_text_len - len(stop)))
+                if at >= 0:
+                    seq.detokenizer.text = text[:at]
+                    reason = "stop"
+                    break
+        if reason is None and (
+            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        text = seq.detokenizer.text
+        # While running, hold back text that could still become the start of a stop string.
+        hold = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)
+        end = max(seq.emitted_text_len, len(text) - hold)
+        delta = text[seq.emitted_text_len : end]
+        seq.emitted_text_len = end
+        handle = self._handles.get(seq.request_id)
+        if reason is None:
+            if handle is not None:
+                handle.push(RequestOutput(request_id=seq.request_id, text=delta, token_ids=[token]))
+            return
+        self.scheduler.finish(seq, reason)
+        self._sequences.pop(seq.request_id, None)
+        self.runner.forget(seq)
+        self.counters["preemptions_total"] += seq.num_preemptions
+        if handle is not None:
+            handle.push(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    text=delta,
+                    token_ids=[token],
+                    finished=True,
+                    finish_reason=reason,
+                    usage=self._usage(seq),
+                )
+            )
+
+    def _finish(self, seq: Sequence, reason: str, *, error: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._sequences.pop(seq.request_id, None)
+        self.runner.forget(seq)
+        handle = self._handles.get(seq.request_id)
+        if handle is not None:
+            handle.push(
+                RequestOutput(request_id=seq.request_id, finished=True, finish_reason=reason, error=error)
+            )
+
+    def _fail_all(self, message: str) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "error", error=message)
+
+    def _usage(self, seq: Sequence) -> dict[str, Any]:
+        t = seq.timings
+        ms = lambda a, b: round(((b or 0.0) - (a or 0.0)) * 1000, 3)  # noqa: E731
+        by_source = {"l1": 0, "l2": 0, "l3": 0, "remote": 0} | seq.cached_tokens_by_source
+        saved = seq.num_cached_tokens / self.prefill_tokens_per_s * 1000 if self.prefill_tokens_per_s else 0.0
+        return {
+            "prompt_tokens": len(seq.prompt_token_ids),
+            "completion_tokens": len(seq.output_token_ids),
+            "cached_tokens": seq.num_cached_tokens,
+            "cached_tokens_by_source": by_source,
+            "recomputed_tokens": len(seq.prompt_token_ids) - seq.num_cached_tokens,
+            "queue_ms": ms(t.arrival_s, t.admitted_s),
+            "prefill_ms": ms(t.admitted_s, t.first_token_s),
+            "ttft_ms": ms(t.arrival_s, t.first_token_s),
+            "decode_ms": ms(t.first_token_s, t.finished_s),
+            "estimated_saved_prefill_ms": round(saved, 3),
+            "preemptions": seq.num_preemptions,
+        }
+
+    def _warmup(self) -> None:
+        """One uncached prefill before serving: warms kernels and measures the prefill speed."""
+        length = min(256, self.max_model_len - 2)
+        key = NamespaceKey(os.urandom(32))
+        for _ in range(2):
+            seq = Sequence(
+                request_id="warmup",
+                prompt_token_ids=[t % 256 for t in range(length)],
+                sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                segments=(NamespaceSegment(start_token=0, namespace_id="warmup", key=key),),
+                use_cache=False,
+                detokenizer=IncrementalDetokenizer(self.tokenizer),
+                timings=Timings(arrival_s=time.monotonic()),
+            )
+            self.scheduler.add(seq)
+            started = time.perf_counter()
+            while seq.status is not Status.DECODING:
+                step = self.scheduler.schedule()
+                self.runner.execute(step)
+                for chunk in step.prefills:
+                    self.scheduler.advance(chunk.seq, chunk.length)
+            self.prefill_tokens_per_s = length / (time.perf_counter() - started)
+            self.scheduler.finish(seq, "warmup")
+            self.runner.forget(seq)

@@ -1,0 +1,1 @@
+"""One nn.Module concept per file: norm, rotary embedding, attention, MLP, sampler."""

@@ -1,0 +1,1 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) and its loaders."""

@@ -1,0 +1,127 @@
+"""Parsing and validation of the worker API's request bodies (docs/worker-api.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policies.hashing import NamespaceKey, NamespaceSegment, validate_segments
+from worker.sequence import SamplingParams
+
+
+class BadRequest(ValueError):
+    """Malformed or invalid input: HTTP 400 with an OpenAI-style error."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    segments: list[NamespaceSegment]
+    sampling: SamplingParams
+    stream: bool
+    use_cache: bool
+
+
+def _require(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise BadRequest(f"missing required field {name!r}", param=name)
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise BadRequest(
+            f"field {name!r} must be of type {' or '.join(k.__name__ for k in kinds)}", param=name
+        )
+    return value
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    if body.get(name) is None:
+        return default
+    return _require(body, name, kind)
+
+
+def parse_segments(raw: Any, block_size: int) -> list[NamespaceSegment]:
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'namespace' must be a non-empty list of segments", param="namespace")
+    segments = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise BadRequest("each namespace segment must be an object", param="namespace")
+        key_hex = _require(item, "key", str)
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
+            raise BadRequest("namespace key must be hex", param="namespace") from None
+        if len(key) < 16:
+            raise BadRequest("namespace key must be at least 16 bytes", param="namespace")
+        segments.append(
+            NamespaceSegment(
+                start_token=_require(item, "start_token", int),
+                namespace_id=_require(item, "namespace_id", str),
+                key=NamespaceKey(key),
+                reserved_blocks=max(0, _optional(item, "reserved_blocks", int, 0)),
+            )
+        )
+    try:
+        validate_segments(segments, block_size)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="namespace") from None
+    return segments
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise BadRequest("'sampling' must be an object", param="sampling")
+    number = (int, float)
+    temperature = float(_optional(raw, "temperature", number, 1.0))
+    top_p = float(_optional(raw, "top_p", number, 1.0))
+    if not 0.0 <= temperature <= 100.0:
+        raise BadRequest("temperature must be in [0, 100]", param="temperature")
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest("top_p must be in (0, 1]", param="top_p")
+    stop = _optional(raw, "stop", (list, str), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a string or a list of non-empty strings", param="stop")
+    stop_ids = _optional(raw, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
+    seed = _optional(raw, "seed", int, None)
+    return SamplingParams(
+        max_tokens=_optional(raw, "max_tokens", int, 16),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(0, _optional(raw, "top_k", int, 0)),
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=bool(_optional(raw, "ignore_eos", bool, False)),
+    )
+
+
+def parse_generate(body: Any, block_size: int) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    prompt = _require(body, "prompt_token_ids", list)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise BadRequest("prompt_token_ids must be a list of integers", param="prompt_token_ids")
+    request_id = _require(body, "request_id", str)
+    if not request_id or len(request_id) > 256:
+        raise BadRequest("request_id must be 1 to 256 characters", param="request_id")
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        segments=parse_segments(body.get("namespace"), block_size),
+        sampling=parse_sampling(body.get("sampling")),
+        stream=bool(_optional(body, "stream", bool, False)),
+        use_cache=bool(_optional(body, "cache", bool, True)),
+    )

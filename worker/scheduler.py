@@ -1,0 +1,197 @@
+"""Continuous batching with chunked prefill.
+
+Every step decodes one token for each running sequence that has finished its prefill, and spends the
+rest of a token budget on prefill chunks: first for sequences already prefilling, then for newly admitted
+ones. A new request therefore joins while others decode, and a long prompt never stalls decoding for
+more than one chunk. When a decode step needs a block and none can be freed, the most recently admitted
+sequence is preempted (its blocks released; it is recomputed later, mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from policies.hashing import block_hashes, chain_hash, root_hash, segment_at, tokens_to_bytes
+from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    seq: Sequence
+    start: int  # first token of the chunk
+    length: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        return self.start + self.length == self.seq.num_prefill_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.length for c in self.prefills)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        model_fingerprint: bytes,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        clock: Callable[[], float],
+    ) -> None:
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.model_fingerprint = model_fingerprint
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._clock = clock
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished (or aborted) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq.block_table)
+        seq.block_table = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.timings.finished_s = self._clock()
+
+    # ---- planning -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is Status.DECODING and seq in self.running and self._reserve_decode_slot(seq):
+                out.decodes.append(seq)
+        budget -= len(out.decodes)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status is Status.PREFILLING:
+                budget -= self._plan_chunk(seq, budget, out)
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= self._plan_chunk(seq, budget, out)
+        return out
+
+    def _plan_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        length = min(budget, seq.num_prefill_tokens - seq.num_computed_tokens)
+        out.prefills.append(PrefillChunk(seq=seq, start=seq.num_computed_tokens, length=length))
+        return length
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Match the cached prefix, take references on it and allocate blocks for the rest of the prompt."""
+        bm, bs = self.block_manager, self.block_size
+        # After a preemption the generated tokens (but the last, decoded next) are prefilled again.
+        num_prefill = seq.num_tokens - 1 if seq.output_token_ids else seq.num_tokens
+        tokens = seq.all_token_ids[:num_prefill]
+        seq.block_hashes = block_hashes(tokens, bs, self.model_fingerprint, seq.segments)
+        matched: list[int] = []
+        if seq.use_cache:
+            token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
+            matched = bm.match_prefix(seq.block_hashes, token_blocks)
+            # Keep at least one token to compute: its logits give the first output token.
+            while matched and len(matched) * bs >= num_prefill:
+                matched.pop()
+        bm.acquire(matched)
+        num_new = math.ceil(num_prefill / bs) - len(matched)
+        if not bm.can_allocate(num_new + 1, seq.namespace_id):  # +1: headroom for the first decode block
+            bm.release(matched)
+            if not self.running and num_new + 1 > bm.num_blocks:
+                raise NoFreeBlocksError(f"request needs {num_new + 1} blocks, the pool has {bm.num_blocks}")
+            return False
+        seq.block_table = matched + [bm.allocate(seq.namespace_id) for _ in range(num_new)]
+        seq.num_prefill_tokens = num_prefill
+        seq.num_computed_tokens = len(matched) * bs
+        seq.num_published_blocks = len(matched)
+        if seq.timings.admitted_s is None:
+            seq.num_cached_tokens = len(matched) * bs
+            seq.cached_tokens_by_source = {"l1": seq.num_cached_tokens} if matched else {}
+            seq.timings.admitted_s = self._clock()
+        seq.status = Status.PREFILLING
+        return True
+
+    def _reserve_decode_slot(self, seq: Sequence) -> bool:
+        """Make sure the block for the next token exists; preempt others (or ``seq``) if it cannot."""
+        if seq.num_computed_tokens < len(seq.block_table) * self.block_size:
+            return True
+        while True:
+            try:
+                seq.block_table.append(self.block_manager.allocate(seq.namespace_id))
+                return True
+            except NoFreeBlocksError:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release(seq.block_table)
+        seq.block_table, seq.num_computed_tokens = [], 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- bookkeeping after the model ran ----------------------------------------------------------
+    def advance(self, seq: Sequence, num_new_computed: int) -> None:
+        """Record that ``num_new_computed`` more tokens of ``seq`` have KV, and publish full blocks."""
+        seq.num_computed_tokens += num_new_computed
+        if seq.num_computed_tokens >= seq.num_prefill_tokens and seq.status is Status.PREFILLING:
+            seq.status = Status.DECODING
+        if seq.use_cache:
+            self._publish_full_blocks(seq)
+
+    def _publish_full_blocks(self, seq: Sequence) -> None:
+        bm, bs = self.block_manager, self.block_size
+        full = seq.num_computed_tokens // bs
+        tokens = None
+        while seq.num_published_blocks < full:
+            k = seq.num_published_blocks
+            if tokens is None:
+                tokens = seq.all_token_ids
+            block_tokens = tokens[k * bs : (k + 1) * bs]
+            if k >= len(seq.block_hashes):  # a generated block: extend the chain
+                seg = segment_at(seq.segments, k * bs)
+                parent = seq.block_hashes[-1] if k else root_hash(self.model_fingerprint, seg.key)
+                key = seg.key if k and seg.start_token == k * bs else None
+                seq.block_hashes.append(chain_hash(parent, tokens_to_bytes(block_tokens), key))
+            bm.cache(
+                seq.block_table[k],
+                seq.block_hashes[k],
+                block_tokens,
+                seq.block_hashes[k - 1] if k else None,
+                namespace_id=segment_at(seq.segments, k * bs).namespace_id,
+                position=k,
+                request_blocks=len(seq.prompt_token_ids) // bs,
+            )
+            seq.num_published_blocks += 1

@@ -1,0 +1,76 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from policies.hashing import BlockHash, NamespaceSegment
+from worker.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Timings:
+    arrival_s: float
+    admitted_s: float | None = None  # first time the scheduler gave it blocks
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    segments: tuple[NamespaceSegment, ...]  # namespace segments of the prompt (DESIGN "Prefix identity")
+    use_cache: bool  # reuse and publish cached blocks
+    detokenizer: IncrementalDetokenizer
+    timings: Timings
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # hashes of the full blocks known so far
+    num_computed_tokens: int = 0  # tokens whose KV is in the block table
+    num_prefill_tokens: int = 0  # tokens to compute before decoding starts (set on admission)
+    num_cached_tokens: int = 0  # prompt tokens reused from the cache on (first) admission
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    num_published_blocks: int = 0  # leading blocks already offered to the prefix cache
+    emitted_text_len: int = 0  # characters of detokenizer.text already sent to the client
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def namespace_id(self) -> str:
+        """Owner of the sequence's private tail (its last segment)."""
+        return self.segments[-1].namespace_id
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,210 @@
+"""The worker's HTTP API (docs/worker-api.md): an aiohttp app around one ``Engine``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from worker.config import WorkerConfig
+from worker.engine import Engine, RequestError
+from worker.protocol import BadRequest, parse_generate
+
+log = logging.getLogger("prefixgate.worker")
+
+ENGINE = web.AppKey("engine", Engine)
+WORKER_ID = web.AppKey("worker_id", str)
+MAX_BODY_BYTES = 64 << 20
+
+
+def error_body(message: str, *, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Map every failure to OpenAI's error JSON, once."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return web.json_response(
+            error_body(str(exc), kind="invalid_request_error", code=exc.code, param=exc.param), status=400
+        )
+    except RequestError as exc:
+        return web.json_response(
+            error_body(str(exc), kind="invalid_request_error", code="invalid_request"), status=400
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return web.json_response(error_body(exc.reason, kind=kind, code=str(exc.status)), status=exc.status)
+    except Exception:
+        log.exception("unhandled error in %s", request.path)
+        return web.json_response(
+            error_body("internal worker error", kind="server_error", code="internal_error"), status=500
+        )
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc.msg}", code="invalid_json") from None
+
+
+async def healthz(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if not engine.alive:
+        return web.json_response({"status": "down"}, status=503)
+    return web.json_response({"status": "ok", "model_id": engine.loaded.model_id})
+
+
+async def info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    tok = engine.tokenizer
+    return web.json_response(
+        {
+            "worker_id": request.app[WORKER_ID],
+            "model_id": engine.loaded.model_id,
+            "model_fingerprint": engine.fingerprint.hex(),
+            "block_size": engine.config.block_size,
+            "max_model_len": engine.max_model_len,
+            "dtype": engine.config.dtype,
+            "device": str(engine.device),
+            "tokenizer_json": tok.tokenizer_json,
+            "chat_template": tok.chat_template,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "eos_token_ids": list(tok.eos_token_ids),
+            "add_bos_token": tok.add_bos_token,
+            "prefill_tokens_per_s": engine.prefill_tokens_per_s,
+            "num_blocks": engine.block_manager.num_blocks,
+        }
+    )
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("text"), str):
+        raise BadRequest("'text' must be a string", param="text")
+    add_special = bool(body.get("add_special_tokens", False))
+    ids = request.app[ENGINE].tokenizer.encode(body["text"], add_special_tokens=add_special)
+    return web.json_response({"token_ids": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await _json(request)
+    ids = body.get("token_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRequest("'token_ids' must be a list of integers", param="token_ids")
+    return web.json_response({"text": request.app[ENGINE].tokenizer.decode(ids)})
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    req = parse_generate(await _json(request), engine.config.block_size)
+    engine.validate(req.prompt_token_ids, req.sampling)
+    outputs = engine.generate(
+        req.request_id, req.prompt_token_ids, req.sampling, req.segments, use_cache=req.use_cache
+    )
+    if req.stream:
+        return await _stream(request, req.request_id, outputs)
+    text, token_ids = [], []
+    async for out in outputs:
+        if out.error:
+            body = error_body(out.error, kind="server_error", code="engine_error")
+            return web.json_response(body, status=503)
+        text.append(out.text)
+        token_ids += out.token_ids
+        if out.finished:
+            return web.json_response(
+                {
+                    "request_id": req.request_id,
+                    "text": "".join(text),
+                    "token_ids": token_ids,
+                    "finish_reason": out.finish_reason,
+                    "usage": out.usage,
+                }
+            )
+    raise web.HTTPInternalServerError(reason="request ended without a result")
+
+
+async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[Any]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        async for out in outputs:
+            if out.error:
+                line = {"type": "error", **error_body(out.error, kind="server_error", code="engine_error")}
+            elif out.finished:
+                line = {
+                    "type": "final",
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "usage": out.usage,
+                }
+            else:
+                line = {"type": "delta", "text": out.text, "token_ids": out.token_ids}
+            await response.write(json.dumps(line).encode() + b"\n")
+    except (ConnectionResetError, ConnectionError):
+        # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.
+        log.info("client of %s disconnected", request_id)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    await response.write_eof()
+    return response
+
+
+async def abort(request: web.Request) -> web.Response:
+    body = await _json(request)
+    request_id = body.get("request_id") if isinstance(body, dict) else None
+    if not isinstance(request_id, str):
+        raise BadRequest("'request_id' must be a string", param="request_id")
+    engine = request.app[ENGINE]
+    known = engine.is_running(request_id)
+    engine.abort(request_id)
+    return web.json_response({"aborted": known})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].stats())
+
+
+async def purge(request: web.Request) -> web.Response:
+    body = await _json(request)
+    namespace_id = body.get("namespace_id") if isinstance(body, dict) else None
+    if not isinstance(namespace_id, str) or not namespace_id:
+        raise BadRequest("'namespace_id' must be a non-empty string", param="namespace_id")
+    erased = await request.app[ENGINE].purge(namespace_id)
+    return web.json_response({"namespace_id": namespace_id, "blocks_erased": erased})
+
+
+def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Application:
+    """The worker app; the engine is built (model loaded) and started in the app's startup."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app[WORKER_ID] = uuid.uuid4().hex
+
+    async def engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+        app[ENGINE] = engine or Engine(config)
+        app[ENGINE].start()
+        yield
+        app[ENGINE].stop()
+
+    app.cleanup_ctx.append(engine_lifetime)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/info", info)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/v1/detokenize", detokenize)
+    app.router.add_post("/v1/generate", generate)
+    app.router.add_post("/v1/abort", abort)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_post("/v1/purge", purge)
+    return app

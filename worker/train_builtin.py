@@ -1,0 +1,245 @@
+"""Train the built-in demo model: a ~5M-parameter byte-level Llama that answers questions about Python.
+
+The corpus exists on every machine that has Python: the reference topics that ship with CPython
+(``pydoc_data.topics``) and the docstrings of standard-library modules. Each becomes a chat (a question
+about the topic and the documentation as the answer) rendered with the built-in chat template, plus the
+plain text. Nothing is downloaded.
+
+    python -m worker.train_builtin --minutes 45 --out worker/builtin
+
+The final loss and the command are recorded in docs/builtin-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from worker.model.loader import BUILTIN_DIR, BUILTIN_MODEL_ID, LoadedModel, random_model, save_hf_dir
+from worker.tokenizer import BYTE_CHAT_TEMPLATE, TokenizerBundle
+
+SYSTEM_PROMPT = "You are a helpful assistant that answers questions about Python."
+QUESTIONS = (
+    "What is {name}?",
+    "Tell me about {name}.",
+    "Explain {name} in Python.",
+    "How does {name} work?",
+    "What does {name} do?",
+)
+STDLIB_MODULES = (
+    "builtins",
+    "os",
+    "os.path",
+    "sys",
+    "re",
+    "json",
+    "math",
+    "random",
+    "string",
+    "collections",
+    "itertools",
+    "functools",
+    "pathlib",
+    "datetime",
+    "time",
+    "shutil",
+    "subprocess",
+    "typing",
+    "dataclasses",
+    "enum",
+    "io",
+    "csv",
+    "textwrap",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "decimal",
+    "operator",
+    "contextlib",
+    "abc",
+    "copy",
+    "pprint",
+    "argparse",
+    "logging",
+    "threading",
+    "queue",
+    "socket",
+    "struct",
+    "hashlib",
+    "base64",
+    "zlib",
+    "gzip",
+    "tempfile",
+    "glob",
+    "fnmatch",
+    "difflib",
+    "unittest",
+    "inspect",
+)
+
+
+def _first_paragraphs(text: str, limit: int) -> str:
+    """Leading paragraphs of ``text`` up to about ``limit`` characters, cut on a paragraph boundary."""
+    out = []
+    total = 0
+    for para in text.strip().split("\n\n"):
+        para = para.strip()
+        if not para:
+            continue
+        if out and total + len(para) > limit:
+            break
+        out.append(para)
+        total += len(para) + 2
+    return "\n\n".join(out)[: limit * 2]
+
+
+def _documents() -> list[tuple[str, str]]:
+    """(name, documentation) pairs from CPython's topics and standard-library docstrings."""
+    import pydoc_data.topics
+
+    docs = [
+        (f"the {name} statement" if name.isalpha() and name.islower() else name, text)
+        for name, text in pydoc_data.topics.topics.items()
+    ]
+    for module_name in STDLIB_MODULES:
+        module = importlib.import_module(module_name)
+        if module.__doc__:
+            docs.append((f"the {module_name} module", module.__doc__))
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or not (
+                inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
+            ):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 40:
+                prefix = "" if module_name == "builtins" else f"{module_name}."
+                docs.append((f"{prefix}{attr}", doc))
+    return docs
+
+
+def build_corpus(seed: int) -> bytes:
+    """The training text: chats rendered with the built-in template, and the plain documentation."""
+    rng = random.Random(seed)
+    template = ImmutableSandboxedEnvironment().from_string(BYTE_CHAT_TEMPLATE)
+    pieces = []
+    for name, text in _documents():
+        answer = _first_paragraphs(text, 700)
+        for _ in range(2):
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": rng.choice(QUESTIONS).format(name=name)},
+                {"role": "assistant", "content": answer},
+            ]
+            pieces.append(
+                template.render(messages=messages, bos_token="<|bos|>", add_generation_prompt=False)
+            )
+        pieces.append("<|bos|>" + text.strip() + "\n")
+    rng.shuffle(pieces)
+    return "".join(pieces).encode()
+
+
+def _encode(tokenizer: TokenizerBundle, corpus: bytes) -> torch.Tensor:
+    return torch.tensor(tokenizer.encode(corpus.decode(), add_special_tokens=False), dtype=torch.long)
+
+
+def train(*, minutes: float, seq_len: int, batch: int, lr: float, seed: int) -> tuple[LoadedModel, dict]:
+    torch.manual_seed(seed)
+    loaded = random_model("small", dtype=torch.float32, device=torch.device("cpu"), seed=seed)
+    model = loaded.model.train()
+    data = _encode(loaded.tokenizer, build_corpus(seed))
+    split = int(len(data) * 0.98)
+    train_ids, val_ids = data[:split], data[split:]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    budget_s = minutes * 60
+    warmup_s = min(60.0, budget_s * 0.05)
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch_from(ids: torch.Tensor) -> torch.Tensor:
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=gen)
+        return torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
+
+    def loss_on(rows: torch.Tensor) -> torch.Tensor:
+        logits = model.forward_dense(rows[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+
+    start = time.monotonic()
+    step, tokens, ema = 0, 0, None
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress:
+        task = progress.add_task("train", total=budget_s, info="")
+        while (elapsed := time.monotonic() - start) < budget_s:
+            frac = elapsed / budget_s
+            scale = min(1.0, elapsed / warmup_s) * 0.5 * (1 + math.cos(math.pi * frac))
+            for group in opt.param_groups:
+                group["lr"] = lr * max(scale, 0.02)
+            loss = loss_on(batch_from(train_ids))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            tokens += batch * seq_len
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            progress.update(task, completed=elapsed, info=f"step {step} loss {ema:.3f} nats/byte")
+    model.eval()
+    with torch.no_grad():
+        val = torch.stack([loss_on(batch_from(val_ids)) for _ in range(20)]).mean().item()
+    stats = {
+        "steps": step,
+        "tokens": tokens,
+        "train_loss_ema": round(ema or 0.0, 4),
+        "val_loss": round(val, 4),
+        "corpus_bytes": len(data),
+        "params": loaded.config.num_params(),
+        "minutes": minutes,
+        "seq_len": seq_len,
+        "batch": batch,
+        "lr": lr,
+        "seed": seed,
+    }
+    return loaded, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=45.0, help="wall-clock training budget")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=BUILTIN_DIR)
+    args = parser.parse_args()
+    loaded, stats = train(
+        minutes=args.minutes, seq_len=args.seq_len, batch=args.batch, lr=args.lr, seed=args.seed
+    )
+    named = LoadedModel(
+        model=loaded.model,
+        config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        model_id=BUILTIN_MODEL_ID,
+        weights_digest=loaded.weights_digest,
+    )
+    save_hf_dir(named, args.out, dtype=torch.bfloat16)
+    (args.out / "training.json").write_text(json.dumps(stats, indent=2))
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()
