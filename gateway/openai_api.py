@@ -137,9 +137,9 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
             await response.write(first)
         try:
             while event is not None:
-                if event.get("type") == "delta" and event.get("text"):
+                if event.get("text"):  # the final event may carry the last token's text too
                     await response.write(writer.delta(event["text"]))
-                elif event.get("type") == "final":
+                if event.get("type") == "final":
                     call.usage = event.get("usage") or {}
                     await response.write(writer.final(event.get("finish_reason", "stop"), call.usage))
                 event = await anext(events, None)
