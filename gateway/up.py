@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, prepare_data_dir
-from gateway.state import REPOSITORY, WORKER_POOL
+from gateway.state import POLICY_CACHE, REPOSITORY, WORKER_POOL
 
 log = logging.getLogger("prefixgate")
 
@@ -30,9 +30,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def _serve_until_stopped(
-    app: web.Application, config: GatewayConfig, stop: asyncio.Event
-) -> web.AppRunner:
+async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -54,7 +52,7 @@ def run_gateway(config: GatewayConfig) -> int:
 
     async def main() -> None:
         stop = _stop_event()
-        runner = await _serve_until_stopped(create_app(config), config, stop)
+        runner = await _serve(create_app(config), config)
         log.info(
             "gateway listening on http://%s:%d (workers: %s)",
             config.host,
@@ -151,7 +149,7 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         app = create_app(config)
-        runner = await _serve_until_stopped(app, config, stop)
+        runner = await _serve(app, config)
         try:
             log.info(
                 "gateway on http://%s:%d; waiting for the worker (pid %d) to load its model",
@@ -170,6 +168,7 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
             if await repo.find_by_name("demo") is None:
                 _, new_key = await repo.create_tenant({"name": "demo"})
                 api_key = new_key.api_key
+                await app[POLICY_CACHE].reload()
             print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
             waiter = asyncio.create_task(worker.wait())
             stopper = asyncio.create_task(stop.wait())
