@@ -121,7 +121,7 @@ async def _serve(
         return await _stream(request, call, prepared)
     result = await pipeline.generate(prepared)
     call.usage = result.get("usage")
-    return web.json_response(formatter(prepared, result))
+    return openai_format.json_response(formatter(prepared, result))
 
 
 async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
+
+import orjson
+from aiohttp import web
 
 from gateway.pipeline import PreparedRequest
 
 TIERS = ("l1", "l2", "l3", "remote")
 _MAPPED = {"prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_by_source"}
+
+
+def json_response(data: dict[str, Any], status: int = 200) -> web.Response:
+    """A JSON response serialized with orjson (the stdlib encoder costs ~1 ms per 8k token ids)."""
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def usage_json(prepared: PreparedRequest, usage: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +100,7 @@ class ChunkWriter:
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + orjson.dumps(data) + b"\n\n"
 
     def _choice(self, text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
         if not self._chat:

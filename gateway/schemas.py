@@ -6,10 +6,11 @@ raise ``InvalidRequest`` naming the parameter, as OpenAI does.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+import orjson
 
 from gateway.errors import InvalidRequest
 
@@ -52,8 +53,8 @@ class CompletionRequest:
 
 async def read_json(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")

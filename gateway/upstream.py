@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from gateway.errors import APIError, InvalidRequest, Unavailable, UpstreamError
 
@@ -15,7 +15,11 @@ log = logging.getLogger(__name__)
 
 
 def _dumps(data: Any) -> bytes:
-    return json.dumps(data, separators=(",", ":")).encode()
+    return orjson.dumps(data)
+
+
+async def _read_json(response: aiohttp.ClientResponse) -> Any:
+    return orjson.loads(await response.read())
 
 
 async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
@@ -23,8 +27,8 @@ async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
     if response.status < 400:
         return
     try:
-        error = (await response.json(content_type=None)).get("error", {})
-    except (ValueError, aiohttp.ClientError):
+        error = (await _read_json(response)).get("error", {})
+    except (ValueError, AttributeError, aiohttp.ClientError):
         error = {}
     message = error.get("message") or f"worker returned HTTP {response.status}"
     if 400 <= response.status < 500:
@@ -46,7 +50,7 @@ class WorkerClient:
     async def _get(self, path: str) -> dict[str, Any]:
         async with self._session.get(self.url + path, timeout=self._short) as response:
             await _raise_for_worker_error(response)
-            return await response.json(content_type=None)
+            return await _read_json(response)
 
     async def healthz(self) -> dict[str, Any]:
         return await self._get("/healthz")
@@ -67,7 +71,7 @@ class WorkerClient:
                 headers={"Content-Type": "application/json"},
             ) as response:
                 await _raise_for_worker_error(response)
-                return await response.json(content_type=None)
+                return await _read_json(response)
         except aiohttp.ClientError as exc:
             raise Unavailable(f"worker unreachable: {exc.__class__.__name__}") from exc
 
@@ -84,7 +88,7 @@ class WorkerClient:
                 await _raise_for_worker_error(response)
                 async for line in response.content:
                     if line.strip():
-                        yield json.loads(line)
+                        yield orjson.loads(line)
         except aiohttp.ClientError as exc:
             raise Unavailable(f"worker unreachable: {exc.__class__.__name__}") from exc
 
@@ -98,7 +102,7 @@ class WorkerClient:
             ) as response:
                 if response.status >= 400:
                     return False
-                return bool((await response.json(content_type=None)).get("aborted"))
+                return bool((await _read_json(response)).get("aborted"))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return False
 
