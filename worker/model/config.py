@@ -96,6 +96,20 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    def prefill_flops(self, num_new_tokens: int, num_context_tokens: int = 0) -> float:
+        """FLOPs to prefill ``num_new_tokens`` after ``num_context_tokens`` cached ones.
+
+        Projections and MLP cost 2 FLOPs per weight per token; causal attention costs 4·heads·head_dim
+        FLOPs per layer for every (query, key) pair a new token attends to. Embedding lookups are free;
+        the output head is computed for the last token only.
+        """
+        n, c = num_new_tokens, num_context_tokens
+        attn_proj = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        dense = self.num_layers * (attn_proj + 3 * self.hidden_size * self.intermediate_size)
+        pairs = n * c + n * (n + 1) / 2
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * pairs
+        return 2.0 * dense * n + attention + 2.0 * self.hidden_size * self.vocab_size
+
     def num_params(self) -> int:
         """Parameter count (embeddings included once when tied)."""
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)

@@ -1,0 +1,61 @@
+from collections.abc import Iterator
+
+import pytest
+
+from policies.hashing import NamespaceSegment
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.sequence import SamplingParams
+
+
+def segments(key: bytes = b"tenant-a" * 4, ns: str = "a") -> list[NamespaceSegment]:
+    return [NamespaceSegment(start_token=0, namespace_id=ns, key=key)]
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def run(
+    engine: Engine,
+    rid: str,
+    prompt: list[int],
+    *,
+    params: SamplingParams | None = None,
+    segs: list[NamespaceSegment] | None = None,
+    use_cache: bool = True,
+) -> tuple[list[int], dict, str]:
+    """Run one request to the end; returns (generated ids, usage, text)."""
+    tokens: list[int] = []
+    text = ""
+    async for out in engine.generate(
+        rid, prompt, params or greedy(), segs or segments(), use_cache=use_cache
+    ):
+        assert out.error is None, out.error
+        tokens += out.token_ids
+        text += out.text
+        if out.finished:
+            return tokens, out.usage or {}, text
+    raise AssertionError("stream ended without a final output")
+
+
+@pytest.fixture
+def make_engine() -> Iterator:
+    engines: list[Engine] = []
+
+    def factory(**overrides) -> Engine:
+        config = WorkerConfig(
+            **{"model": "random-tiny", "num_blocks": 64, "max_num_batched_tokens": 32, **overrides}
+        )
+        engine = Engine(config)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.stop()
+
+
+def prompt_of(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729 + (i * i) % 13) % 251 for i in range(length)]
