@@ -11,6 +11,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.up import free_port
 from tests.tenancy.db_support import db_url, pg_database, pg_url, sqlite_template, sqlite_url  # noqa: F401
+from tests.worker_process import worker_process
 
 ADMIN_TOKEN = "admin-test-token"
 
@@ -53,74 +54,21 @@ async def create_tenant(client, **fields) -> dict:
     return await response.json()
 
 
-# --- a real worker process (python -m worker --model random-tiny), shared by the session ---------------
-
-
-def _spawn_worker(tmp_path_factory: pytest.TempPathFactory, name: str):
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    port = free_port()
-    log_path = tmp_path_factory.mktemp(name) / "worker.log"
-    log_file = open(log_path, "wb")  # noqa: SIM115 - closed by the caller
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "--model",
-            "random-tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num-blocks",
-            "4096",
-        ],
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"worker exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/healthz", timeout=1) as response:
-                if response.status == 200:
-                    return process, url, log_file
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"worker did not become healthy: {log_path.read_text()[-2000:]}")
-
-
-def _stop_process(process, log_file) -> None:
-    import subprocess
-
-    process.terminate()
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    log_file.close()
+# --- real worker processes (python -m worker --model random-tiny), shared by the session ----------------
 
 
 @pytest.fixture(scope="session")
 def worker_url(tmp_path_factory):
-    process, url, log_file = _spawn_worker(tmp_path_factory, "worker-a")
-    yield url
-    _stop_process(process, log_file)
+    log_path = tmp_path_factory.mktemp("worker-a") / "worker.log"
+    with worker_process("--model", "random-tiny", "--num-blocks", "4096", log_path=log_path) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
 def second_worker_url(tmp_path_factory, worker_url):
-    process, url, log_file = _spawn_worker(tmp_path_factory, "worker-b")
-    yield url
-    _stop_process(process, log_file)
+    log_path = tmp_path_factory.mktemp("worker-b") / "worker.log"
+    with worker_process("--model", "random-tiny", "--num-blocks", "4096", log_path=log_path) as url:
+        yield url
 
 
 @pytest.fixture

@@ -24,8 +24,13 @@ async def test_sdk_chat_non_stream_and_stream(sdk):
     assert first.usage.model_extra["prefixgate"]["cached_tokens_by_tier"]["l1"] == 0
 
     stream = await sdk.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

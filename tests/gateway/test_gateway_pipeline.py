@@ -15,8 +15,9 @@ SALT = b"test-salt"
 async def pipeline() -> tuple[RequestPipeline, aiohttp.ClientSession]:
     session = aiohttp.ClientSession()
     pool = WorkerPool(("http://127.0.0.1:9",), session)
-    return RequestPipeline(pool=pool, router=RendezvousRouter(), salt=SALT, default_max_tokens=16,
-                           affinity_blocks=4), session
+    return RequestPipeline(
+        pool=pool, router=RendezvousRouter(), salt=SALT, default_max_tokens=16, affinity_blocks=4
+    ), session
 
 
 async def test_segments_per_isolation_level():
@@ -33,11 +34,14 @@ async def test_segments_per_isolation_level():
     other = pipe.segments(TenantPolicy(tenant_id="tn_b", name="b"), None, ids)
     assert other[0].key != namespace[0].key
 
-    dedicated = pipe.segments(TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=9),
-                              None, ids)
+    dedicated = pipe.segments(
+        TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=9), None, ids
+    )
     assert dedicated[0].reserved_blocks == 9
 
-    shared = [pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), None, ids) for t in ("x", "y")]
+    shared = [
+        pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), None, ids) for t in ("x", "y")
+    ]
     assert shared[0] == shared[1] and shared[0][0].namespace_id == GLOBAL_NAMESPACE_ID
     await session.close()
 
@@ -45,17 +49,39 @@ async def test_segments_per_isolation_level():
 async def test_worker_payload_carries_segments_and_sampling():
     pipe, session = await pipeline()
     tenant = TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=5)
-    sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("\n",),
-                              ignore_eos=False)
+    sampling = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("\n",), ignore_eos=False
+    )
     prepared = PreparedRequest(
-        request_id="chatcmpl-1", endpoint="chat.completions", tenant=tenant, model=None, prompt_token_ids=[1, 2, 3],
-        segments=pipe.segments(tenant, None, [1, 2, 3]), sampling=sampling, stream=True, include_usage=True,
+        request_id="chatcmpl-1",
+        endpoint="chat.completions",
+        tenant=tenant,
+        model=None,
+        prompt_token_ids=[1, 2, 3],
+        segments=pipe.segments(tenant, None, [1, 2, 3]),
+        sampling=sampling,
+        stream=True,
+        include_usage=True,
         worker_url="http://127.0.0.1:9",
     )
     payload = prepared.worker_payload()
-    assert payload["namespace"] == [{"start_token": 0, "namespace_id": tenant_namespace_id(SALT, "tn_d"),
-                                     "key": tenant_namespace_key(SALT, "tn_d", 0).hex(), "reserved_blocks": 5}]
-    assert payload["sampling"] == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "seed": 11,
-                                   "stop": ["\n"], "stop_token_ids": [], "ignore_eos": False}
+    assert payload["namespace"] == [
+        {
+            "start_token": 0,
+            "namespace_id": tenant_namespace_id(SALT, "tn_d"),
+            "key": tenant_namespace_key(SALT, "tn_d", 0).hex(),
+            "reserved_blocks": 5,
+        }
+    ]
+    assert payload["sampling"] == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 3,
+        "seed": 11,
+        "stop": ["\n"],
+        "stop_token_ids": [],
+        "ignore_eos": False,
+    }
     assert payload["stream"] is True and payload["cache"] is True and payload["request_id"] == "chatcmpl-1"
     await session.close()

@@ -18,9 +18,22 @@ from gateway.up import free_port
 def start_up(data_dir: Path, port: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "PREFIXGATE_ADMIN_TOKEN"}
     return subprocess.Popen(
-        [sys.executable, "-m", "gateway", "up", "--model", "random-tiny", "--port", str(port),
-         "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "up",
+            "--model",
+            "random-tiny",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
 
 
@@ -47,8 +60,12 @@ def stop(process: subprocess.Popen) -> int:
 
 
 def post_json(url: str, body: dict, key: str) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
@@ -76,7 +93,11 @@ def test_up_serves_a_demo_tenant_and_stops_cleanly(tmp_path: Path, processes):
     assert (data_dir / "admin_token").read_text().strip() == admin_token
     assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in banner and "OpenAI(base_url=" in banner
 
-    body = {"model": "random-tiny", "messages": [{"role": "user", "content": "Hello! " * 20}], "max_tokens": 2}
+    body = {
+        "model": "random-tiny",
+        "messages": [{"role": "user", "content": "Hello! " * 20}],
+        "max_tokens": 2,
+    }
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     assert post_json(url, body, key)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert post_json(url, body, key)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
