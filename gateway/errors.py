@@ -121,6 +121,8 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         return web.Response(
             status=exc.status, text=json.dumps(body), content_type="application/json", headers=_allow(exc)
         )
+    except ConnectionResetError:
+        raise  # the client went away mid-response: nothing to answer, nothing to log as a fault
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         body = {
