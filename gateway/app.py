@@ -128,7 +128,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     """The gateway: tenant API, admin API under /admin/v1, /healthz, /metrics, /openapi.json."""
     if config.router not in ROUTERS:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
-    config.salt_bytes  # noqa: B018 - fail at construction, not on the first request, without a salt
+    if not config.namespace_salt:
+        raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = GatewayMetrics()

@@ -10,6 +10,8 @@ import argparse
 import json
 import os
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +157,6 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
 
 
 def _diagnose(client: AdminClient) -> dict[str, Any]:
-    import urllib.request
-
     try:
         with urllib.request.urlopen(client.base_url + "/healthz", timeout=5) as response:
             health = json.loads(response.read())

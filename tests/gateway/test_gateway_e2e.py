@@ -229,6 +229,26 @@ async def test_client_disconnect_cancels_worker_request(gateway, worker_url):
             break
         await asyncio.sleep(0.05)
     assert await worker_running(worker_url) == 0
+    await gateway.app[USAGE_WRITER].flush()
+    report = await (await gateway.get("/admin/v1/reports/usage", headers=ADMIN)).json()
+    assert report["totals"]["errors"] == 1  # recorded with status 499 (client closed the request)
+
+
+async def test_concurrent_requests(gateway, worker_url):
+    key = (await create_tenant(gateway))["api_key"]
+    system = unique_system_prompt()
+
+    async def one(i: int) -> dict:
+        body = chat_body(system, user=f"question {i}", max_tokens=3, stream=i % 2 == 0)
+        response = await gateway.post("/v1/chat/completions", json=body, headers=auth(key))
+        assert response.status == 200
+        return await read_sse(response) if i % 2 == 0 else await response.json()
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    assert len(results) == 16 and await worker_running(worker_url) == 0
+    from gateway.state import WORKER_POOL
+
+    assert all(state.in_flight == 0 for state in gateway.app[WORKER_POOL].workers.values())
 
 
 async def test_usage_records_and_report(gateway):
