@@ -31,12 +31,14 @@ class Block:
     ref_count: int = 0  # running sequences whose block table holds this block
     block_hash: BlockHash | None = None  # set while the block is cached (full, computed, published)
     token_ids: tuple[int, ...] = ()  # the block's tokens while cached: a guard against hash collisions
-    parent_id: int | None = None  # cached block before this one in the chain (None: first block)
+    parent_hash: BlockHash | None = None  # hash of the block before this one (None: first block)
+    parent_id: int | None = None  # that block's id when it is cached in this pool
     num_children: int = 0  # cached blocks whose parent is this one
     namespace_id: str = ""  # owner tag (purge, quotas)
 
     def reset(self) -> None:
-        self.block_hash, self.token_ids, self.parent_id, self.namespace_id = None, (), None, ""
+        self.block_hash, self.token_ids, self.namespace_id = None, (), ""
+        self.parent_hash, self.parent_id = None, None
 
 
 class BlockManager:
@@ -49,9 +51,19 @@ class BlockManager:
         *,
         eviction_policy: str = "default",
         max_reserved_fraction: float = 0.5,
+        require_parent: bool = True,
+        on_evict: Callable[[Block], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """
+        Args:
+            require_parent: refuse to cache a block whose parent is not cached here (the device pool);
+                lower tiers set it False, since a parent may live in a tier above.
+            on_evict: called with a victim before it is reset (the tiers demote it from there).
+        """
         self.block_size = block_size
+        self.require_parent = require_parent
+        self._on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block_id: dict[BlockHash, int] = {}
@@ -164,11 +176,12 @@ class BlockManager:
         parent_id = None
         if parent_hash is not None:
             parent_id = self.hash_to_block_id.get(parent_hash)
-            if parent_id is None:
+            if parent_id is None and self.require_parent:
                 return False
-            self.blocks[parent_id].num_children += 1
+            if parent_id is not None:
+                self.blocks[parent_id].num_children += 1
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
-        block.parent_id, block.namespace_id = parent_id, namespace_id
+        block.parent_hash, block.parent_id, block.namespace_id = parent_hash, parent_id, namespace_id
         self.hash_to_block_id[block_hash] = block_id
         self._cached_by_ns[namespace_id] += 1
         if block.ref_count == 0:
@@ -228,12 +241,24 @@ class BlockManager:
         reserved = self.reserved_blocks.get(owner, 0)
         return not (reserved and owner != requester and self._cached_by_ns[owner] <= reserved)
 
-    def _evict_one(self, requester: str) -> None:
+    def reclaim(self, num_blocks: int, namespace_id: str = "") -> int:
+        """Evict up to ``num_blocks`` cached blocks at once (tiers demote in chunks); returns how many."""
+        for done in range(num_blocks):
+            if not self._evict_one(namespace_id, required=False):
+                return done
+        return num_blocks
+
+    def _evict_one(self, requester: str, *, required: bool = True) -> bool:
         victim = self.policy.evict(lambda b: self._can_evict(b, requester))
         if victim is None:
-            raise NoFreeBlocksError("no free or evictable KV block")
+            if required:
+                raise NoFreeBlocksError("no free or evictable KV block")
+            return False
+        if self._on_evict is not None:
+            self._on_evict(self.blocks[victim])
         self._uncache(victim, leaving={victim})
         self.num_evictions += 1
+        return True
 
     def _uncache(self, block_id: int, *, leaving: set[int]) -> None:
         """Unpublish one block; ``leaving`` are all blocks unpublished together (a purge's whole set)."""

@@ -26,7 +26,23 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per engine step: decode tokens + prefill chunk
     eviction_policy: str = "default"
-    data_dir: Path | None = None
+    data_dir: Path | None = None  # holds the disk tier (data_dir/kv) unless l3_dir is given
+    l2_bytes: int = 512 << 20  # host DRAM tier budget (0: off)
+    l3_dir: Path | None = None  # disk tier directory (default: data_dir/kv; none without a data dir)
+    l3_bytes: int = 4 << 30
+    l3_codec: str = "none"  # none | fp8 | int4
+    l3_min_free_bytes: int = 256 << 20  # the disk tier stops writing below this much free disk
+    remote_url: str | None = None  # redis://… shared by workers (off when unset)
+    remote_bytes: int = 1 << 30
+    remote_ttl_s: int = 3600
+    remote_timeout_ms: int = 50
+    remote_codec: str = "none"
+    flush_on_stop: bool = True  # write cached blocks to the disk tier on a clean shutdown
+
+    def disk_dir(self) -> Path | None:
+        if self.l3_dir is not None:
+            return self.l3_dir
+        return self.data_dir / "kv" if self.data_dir is not None else None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -40,6 +56,14 @@ class WorkerConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def _boolean(raw: str) -> bool:
+    if raw.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if raw.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
+
+
 def _env_default(name: str, default: object) -> object:
     raw = os.environ.get(f"PREFIXGATE_WORKER_{name.upper()}")
     return default if raw is None else raw
@@ -50,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser = argparse.ArgumentParser(prog="prefixgate worker", description="prefixgate inference worker")
     for f in fields(WorkerConfig):
         default = getattr(defaults, f.name)
-        kind = {"int": int, "int | None": int, "Path | None": Path}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "Path | None": Path, "bool": _boolean}.get(str(f.type), str)
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=_env_default(f.name, default))
     args = parser.parse_args(argv)
     values = {}
@@ -60,5 +84,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
             value = int(value)
         elif isinstance(value, str) and str(f.type) == "Path | None":
             value = Path(value)
+        elif isinstance(value, str) and str(f.type) == "bool":
+            value = _boolean(value)
         values[f.name] = value
     return WorkerConfig(**values)

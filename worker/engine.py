@@ -20,13 +20,14 @@ from typing import Any
 import blake3
 import torch
 
-from policies.hashing import NamespaceKey, NamespaceSegment
+from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.config import WorkerConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
+from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("prefixgate.worker")
@@ -76,25 +77,31 @@ class Engine:
         bytes_per_block = kv_bytes_per_block(model, config.block_size, dtype)
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // bytes_per_block)
         self.fingerprint = model_fingerprint(self.loaded, dtype, config.block_size)
+        self.runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.block_size, device=self.device
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.prefill_tokens_per_s = 0.0
+        self.store = self._make_store(bytes_per_block)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, eviction_policy=config.eviction_policy
+            num_blocks,
+            config.block_size,
+            eviction_policy=config.eviction_policy,
+            on_evict=self.store.demote_from_l1 if self.store else None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             model_fingerprint=self.fingerprint,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            store=self.store,
             clock=time.monotonic,
-        )
-        self.runner = ModelRunner(
-            model, num_blocks=num_blocks, block_size=config.block_size, device=self.device
         )
         capacity_tokens = (num_blocks - 1) * config.block_size
         self.max_model_len = min(
             config.max_model_len or 1 << 30, self.loaded.config.max_context_tokens, capacity_tokens
         )
         self.bytes_per_block = bytes_per_block
-        self.prefill_tokens_per_s = 0.0
         self.counters: dict[str, int] = {
             "requests_total": 0,
             "requests_aborted": 0,
@@ -106,9 +113,34 @@ class Engine:
         }
         self._handles: dict[str, _Handle] = {}
         self._sequences: dict[str, Sequence] = {}
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _make_store(self, bytes_per_block: int) -> TieredStore | None:
+        cfg = self.config
+        if cfg.l2_bytes <= 0 and cfg.disk_dir() is None and not cfg.remote_url:
+            return None
+        tiers = TierConfig(
+            l2_bytes=max(cfg.l2_bytes, bytes_per_block),
+            l3_dir=cfg.disk_dir(),
+            l3_bytes=cfg.l3_bytes,
+            l3_codec=cfg.l3_codec,
+            l3_min_free_bytes=cfg.l3_min_free_bytes,
+            remote_url=cfg.remote_url,
+            remote_bytes=cfg.remote_bytes,
+            remote_ttl_s=float(cfg.remote_ttl_s),
+            remote_timeout_s=cfg.remote_timeout_ms / 1000,
+            remote_codec=cfg.remote_codec,
+            eviction_policy=cfg.eviction_policy,
+        )
+        return TieredStore(
+            tiers,
+            fingerprint=self.fingerprint,
+            kv_cache=self.runner.kv_cache,
+            bytes_per_block=bytes_per_block,
+            prefill_tokens_per_s=lambda: self.prefill_tokens_per_s,
+            post=self._inbox.put,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,10 +149,22 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop, flush the cache to disk and release the tiers (idempotent)."""
+        if self._stopping:
+            return
         self._stopping = True
         self._inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.store is not None:
+            if self.config.flush_on_stop:
+                try:
+                    log.info(
+                        "flushed %d cached blocks to the disk tier", self.store.flush(self.block_manager)
+                    )
+                except Exception:
+                    log.exception("flushing the KV cache to disk failed")
+            self.store.close()
 
     @property
     def alive(self) -> bool:
@@ -206,16 +250,20 @@ class Engine:
             "eviction_policy": bm.policy.name,
             "reserved_blocks": dict(bm.reserved_blocks),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
+            "tiers": self.store.stats() if self.store is not None else {},
         }
 
     # ---- engine thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        idle = False
         while not self._stopping:
             block = not self.scheduler.has_work
+            # Work that only waits on a copy or a prefetch: sleep on the inbox briefly instead of spinning.
+            timeout = 0.0005 if idle and not block else None
             try:
                 while True:
-                    command, arg = self._inbox.get(block=block)
-                    block = False
+                    command, arg = self._inbox.get(block=block or timeout is not None, timeout=timeout)
+                    block, timeout = False, None
                     if command == "stop":
                         return
                     self._handle_command(command, arg)
@@ -223,7 +271,7 @@ class Engine:
                 pass
             if self.scheduler.has_work:
                 try:
-                    self._step()
+                    idle = not self._step()
                 except Exception as exc:  # a bug must fail requests, never kill the worker
                     log.exception("engine step failed")
                     self.counters["engine_errors_total"] += 1
@@ -236,14 +284,29 @@ class Engine:
                 return
             for segment in seq.segments:
                 if segment.reserved_blocks:
-                    self.block_manager.set_reservation(segment.namespace_id, segment.reserved_blocks)
+                    granted = self.block_manager.set_reservation(
+                        segment.namespace_id, segment.reserved_blocks
+                    )
+                    if self.store is not None:
+                        self.store.set_reservation(segment.namespace_id, granted)
             self._sequences[seq.request_id] = seq
+            if seq.use_cache and self.store is not None:
+                self._start_prefetch(seq)
             self.scheduler.add(seq)
             self.counters["requests_total"] += 1
             self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
+        elif command == "prefetched":
+            result: PrefetchResult = arg
+            waiting = self._sequences.get(result.request_id)
+            if waiting is not None and self.store is not None:
+                waiting.block_origins.update(self.store.finish_prefetch(result))
+                waiting.prefetched = result if result.records else None
+                waiting.prefetching = False
         elif command == "purge":
             namespace_id, loop, done = arg
             erased = {"l1": self.block_manager.purge(namespace_id)}
+            if self.store is not None:
+                erased |= self.store.purge(namespace_id)
             loop.call_soon_threadsafe(done.set_result, erased)
         elif command == "abort":
             seq = self._sequences.pop(arg, None)
@@ -252,15 +315,30 @@ class Engine:
                 self.runner.forget(seq)
                 self.counters["requests_aborted"] += 1
 
-    def _step(self) -> None:
+    def _start_prefetch(self, seq: Sequence) -> None:
+        """Look the prompt up in every tier now; fetch what only disk or Redis hold while it waits."""
+        assert self.store is not None
+        bs = self.config.block_size
+        seq.block_hashes = block_hashes(seq.prompt_token_ids, bs, self.fingerprint, seq.segments)
+        tokens = seq.prompt_token_ids
+        token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
+        namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
+        num_l1 = len(self.block_manager.match_prefix(seq.block_hashes, token_blocks))
+        plan = self.store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
+        if plan is not None:
+            seq.prefetching = True
+            self.store.start_prefetch(plan)
+
+    def _step(self) -> bool:
+        """Run one engine step; returns False when nothing could run (waiting on I/O)."""
         try:
             step = self.scheduler.schedule()
         except NoFreeBlocksError as exc:
             seq = self.scheduler.waiting[0]
             self._finish(seq, "error", error=str(exc))
-            return
+            return True
         if step.is_empty:
-            return
+            return False
         started = time.perf_counter()
         result = self.runner.execute(step)
         elapsed = time.perf_counter() - started
@@ -279,6 +357,7 @@ class Engine:
                 seq.timings.first_token_s = now
                 self.counters["cached_tokens_total"] += seq.num_cached_tokens
             self._append_token(seq, token)
+        return True
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from policies.hashing import block_hashes, chain_hash, root_hash, segment_at, tokens_to_bytes
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.sequence import Sequence, Status
+from worker.tiers.store import TieredStore
 
 
 @dataclass(slots=True)
@@ -52,9 +53,11 @@ class Scheduler:
         model_fingerprint: bytes,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
+        store: TieredStore | None = None,
         clock: Callable[[], float],
     ) -> None:
         self.block_manager = block_manager
+        self.store = store
         self.block_size = block_manager.block_size
         self.model_fingerprint = model_fingerprint
         self.max_num_seqs = max_num_seqs
@@ -72,6 +75,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished (or aborted) and free its blocks at once."""
+        if seq.transfers:  # a copy still writing into its blocks must end before they are reused
+            for transfer in seq.transfers:
+                transfer.wait()
+            self._finish_loading(seq)
+        seq.prefetched = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -85,6 +93,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        for seq in self.running:
+            if seq.status is Status.LOADING and all(t.done() for t in seq.transfers):
+                self._finish_loading(seq)
         for seq in list(self.running):
             if seq.status is Status.DECODING and seq in self.running and self._reserve_decode_slot(seq):
                 out.decodes.append(seq)
@@ -94,14 +105,25 @@ class Scheduler:
                 break
             if seq.status is Status.PREFILLING:
                 budget -= self._plan_chunk(seq, budget, out)
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.prefetching:  # its blocks are still on their way from disk or Redis
+                continue
             if not self._admit(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
-            budget -= self._plan_chunk(seq, budget, out)
+            if seq.status is Status.PREFILLING:
+                budget -= self._plan_chunk(seq, budget, out)
         return out
+
+    @property
+    def is_waiting_on_io(self) -> bool:
+        """Nothing can run until a prefetch or a copy finishes."""
+        return all(s.status is Status.LOADING for s in self.running) and all(
+            s.prefetching for s in self.waiting
+        )
 
     def _plan_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         length = min(budget, seq.num_prefill_tokens - seq.num_computed_tokens)
@@ -109,36 +131,95 @@ class Scheduler:
         return length
 
     def _admit(self, seq: Sequence) -> bool:
-        """Match the cached prefix, take references on it and allocate blocks for the rest of the prompt."""
+        """Match the cached prefix, take references on it and allocate blocks for the rest of the prompt.
+
+        The chain is matched in L1 first, then continued in L2; the L2 part is copied into new L1 blocks
+        and the sequence waits in LOADING until the copy is done.
+        """
         bm, bs = self.block_manager, self.block_size
         # After a preemption the generated tokens (but the last, decoded next) are prefilled again.
         num_prefill = seq.num_tokens - 1 if seq.output_token_ids else seq.num_tokens
         tokens = seq.all_token_ids[:num_prefill]
-        seq.block_hashes = block_hashes(tokens, bs, self.model_fingerprint, seq.segments)
+        if seq.output_token_ids or len(seq.block_hashes) != num_prefill // bs:
+            seq.block_hashes = block_hashes(tokens, bs, self.model_fingerprint, seq.segments)
         matched: list[int] = []
+        slots: list[int] = []  # L2 slots continuing the chain after L1
+        fetched: list[int] = []  # rows of seq.prefetched continuing it after L2
         if seq.use_cache:
             token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
             matched = bm.match_prefix(seq.block_hashes, token_blocks)
+            if self.store is not None:
+                slots = self.store.match_l2(seq.block_hashes[len(matched) :], token_blocks[len(matched) :])
+                fetched = self._match_prefetched(seq, len(matched) + len(slots))
             # Keep at least one token to compute: its logits give the first output token.
-            while matched and len(matched) * bs >= num_prefill:
-                matched.pop()
+            while (len(matched) + len(slots) + len(fetched)) * bs >= num_prefill:
+                (fetched or slots or matched).pop()
         bm.acquire(matched)
+        if slots:
+            self.store.l2.pin(slots)  # type: ignore[union-attr]
         num_new = math.ceil(num_prefill / bs) - len(matched)
         if not bm.can_allocate(num_new + 1, seq.namespace_id):  # +1: headroom for the first decode block
             bm.release(matched)
+            if slots:
+                self.store.l2.unpin(slots)  # type: ignore[union-attr]
             if not self.running and num_new + 1 > bm.num_blocks:
                 raise NoFreeBlocksError(f"request needs {num_new + 1} blocks, the pool has {bm.num_blocks}")
             return False
         seq.block_table = matched + [bm.allocate(seq.namespace_id) for _ in range(num_new)]
         seq.num_prefill_tokens = num_prefill
-        seq.num_computed_tokens = len(matched) * bs
+        num_loaded = len(slots) + len(fetched)
+        seq.num_computed_tokens = (len(matched) + num_loaded) * bs
         seq.num_published_blocks = len(matched)
         if seq.timings.admitted_s is None:
-            seq.num_cached_tokens = len(matched) * bs
-            seq.cached_tokens_by_source = {"l1": seq.num_cached_tokens} if matched else {}
+            self._count_sources(seq, len(matched), num_loaded)
             seq.timings.admitted_s = self._clock()
         seq.status = Status.PREFILLING
+        if num_loaded:
+            assert self.store is not None
+            targets = seq.block_table[len(matched) : len(matched) + num_loaded]
+            if slots:
+                seq.transfers.append(self.store.load(self.store.l2.data, slots, targets[: len(slots)]))
+                seq.loading_slots = slots
+            if fetched:
+                seq.transfers.append(self.store.load(seq.prefetched.data, fetched, targets[len(slots) :]))
+            seq.status = Status.LOADING
         return True
+
+    def _match_prefetched(self, seq: Sequence, start: int) -> list[int]:
+        """Rows of the sequence's prefetched blocks that continue its chain at block ``start``."""
+        fetched = seq.prefetched
+        if fetched is None or not (fetched.start <= start < fetched.start + len(fetched.records)):
+            return []
+        rows = []
+        for row in range(start - fetched.start, len(fetched.records)):
+            k = fetched.start + row
+            if k >= len(seq.block_hashes) or fetched.records[row].block_hash != seq.block_hashes[k]:
+                break
+            rows.append(row)
+        return rows
+
+    def _count_sources(self, seq: Sequence, num_l1: int, num_loaded: int) -> None:
+        bs = self.block_size
+        by_source = {"l1": num_l1 * bs} if num_l1 else {}
+        for k in range(num_l1, num_l1 + num_loaded):
+            source = seq.block_origins.get(seq.block_hashes[k], "l2")
+            by_source[source] = by_source.get(source, 0) + bs
+        if self.store is not None:
+            for source, tokens in by_source.items():
+                self.store.hits[source] += tokens // bs
+        seq.num_cached_tokens = (num_l1 + num_loaded) * bs
+        seq.cached_tokens_by_source = by_source
+
+    def _finish_loading(self, seq: Sequence) -> None:
+        assert self.store is not None
+        for transfer in seq.transfers:
+            self.store.loaded(transfer)
+        self.store.l2.unpin(seq.loading_slots)
+        seq.transfers, seq.loading_slots, seq.prefetched = [], [], None
+        if seq.status is Status.LOADING:
+            seq.status = Status.PREFILLING
+            if seq.use_cache:
+                self._publish_full_blocks(seq)
 
     def _reserve_decode_slot(self, seq: Sequence) -> bool:
         """Make sure the block for the next token exists; preempt others (or ``seq``) if it cannot."""
@@ -149,7 +230,8 @@ class Scheduler:
                 seq.block_table.append(self.block_manager.allocate(seq.namespace_id))
                 return True
             except NoFreeBlocksError:
-                victim = self.running[-1]
+                # The most recently admitted sequence goes back to waiting (never one mid-copy).
+                victim = next(s for s in reversed(self.running) if s.status is not Status.LOADING)
                 self._preempt(victim)
                 if victim is seq:
                     return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from policies.hashing import BlockHash, NamespaceSegment
 from worker.tokenizer import IncrementalDetokenizer
@@ -23,6 +24,7 @@ class SamplingParams:
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted; its cached blocks are being copied into the device pool
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
@@ -57,6 +59,11 @@ class Sequence:
     emitted_text_len: int = 0  # characters of detokenizer.text already sent to the client
     finish_reason: str | None = None
     num_preemptions: int = 0
+    prefetching: bool = False  # lower tiers are fetching its blocks into host memory
+    prefetched: Any = None  # blocks fetched from disk or Redis for it (worker.tiers.store.PrefetchResult)
+    block_origins: dict[BlockHash, str] = field(default_factory=dict)  # prefetched block -> tier it came from
+    transfers: list[Any] = field(default_factory=list)  # copies into the device pool in flight
+    loading_slots: list[int] = field(default_factory=list)  # L2 slots pinned while ``transfers`` run
 
     @property
     def namespace_id(self) -> str:

@@ -1,0 +1,213 @@
+"""The tiered store end to end: L2, L3 (with restart and faults), Redis, namespaces in every tier."""
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from tests.worker.conftest import greedy, prompt_of, run, segments
+from tests.worker_process import free_port
+
+BLOCK_BYTES = 4096  # random-tiny: 2 layers x (k, v) x 16 tokens x 2 heads x 16 dims x 4 bytes
+A = segments(b"key-of-tenant-a!" * 2, "t-a")
+B = segments(b"key-of-tenant-b!" * 2, "t-b")
+
+
+async def push_out_of_l1(engine, n: int = 6) -> None:
+    """Fill the small L1 with unrelated prompts so the earlier blocks are evicted downwards."""
+    for i in range(n):
+        await run(engine, f"filler-{time.monotonic_ns()}-{i}", prompt_of(900 + i, 80), segs=A)
+
+
+async def test_prefix_served_from_l2_gives_identical_output(make_engine):
+    engine = make_engine(num_blocks=24, l2_bytes=64 * BLOCK_BYTES)
+    prompt = prompt_of(1, 80)
+    expected, _, _ = await run(engine, "ref", prompt, use_cache=False)
+    await run(engine, "first", prompt, segs=A)
+    await push_out_of_l1(engine)
+    got, usage, _ = await run(engine, "again", prompt, segs=A)
+    assert got == expected
+    assert usage["cached_tokens_by_source"]["l2"] > 0
+    assert usage["cached_tokens"] == 64
+    stats = engine.stats()["tiers"]
+    assert stats["hits_blocks"]["l2"] >= 1 and stats["l2"]["stored_total"] > 0
+
+
+async def test_prefix_served_from_l3_none_gives_identical_output(make_engine, tmp_path):
+    engine = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, l3_dir=tmp_path, l3_min_free_bytes=0)
+    prompt = prompt_of(2, 80)
+    expected, _, _ = await run(engine, "ref", prompt, use_cache=False)
+    await run(engine, "first", prompt, segs=A)
+    await push_out_of_l1(engine)
+    engine.store.wait_for_writes()
+    got, usage, _ = await run(engine, "again", prompt, segs=A)
+    assert got == expected
+    assert usage["cached_tokens_by_source"]["l3"] > 0
+    assert sum(usage["cached_tokens_by_source"].values()) == usage["cached_tokens"] == 64
+    assert list(tmp_path.rglob("*.kv"))
+
+
+async def test_disk_tier_survives_a_restart_and_damaged_files_are_misses(make_engine, tmp_path):
+    prompts = [prompt_of(3, 80), prompt_of(4, 80), prompt_of(5, 80)]
+    first = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    expected = [(await run(first, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        await run(first, f"fill{i}", p, segs=A)
+    first.stop()  # a clean stop flushes L1 and L2 to disk
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert len(files) == 3
+    by_prompt = {}
+    for f in files:
+        data = f.read_bytes()
+        for i, p in enumerate(prompts):
+            if str(p[:16]).replace(" ", "") in data.decode("latin-1"):
+                by_prompt[i] = f
+    # Prompt 1's file gets a flipped payload byte, prompt 2's is truncated; prompt 0's stays intact.
+    damaged = bytearray(by_prompt[1].read_bytes())
+    damaged[-5] ^= 0xFF
+    by_prompt[1].write_bytes(bytes(damaged))
+    by_prompt[2].write_bytes(by_prompt[2].read_bytes()[:-100])
+
+    second = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    disk = second.store.disk
+    assert disk.counters["corrupt_deleted_total"] == 1  # the truncated file, found at start-up
+    assert not by_prompt[2].exists()
+    results = [await run(second, f"after{i}", p, segs=A) for i, p in enumerate(prompts)]
+    assert [r[0] for r in results] == expected
+    assert results[0][1]["cached_tokens_by_source"]["l3"] == 64  # the first request after restart hits L3
+    assert results[1][1]["cached_tokens"] == 0 and results[2][1]["cached_tokens"] == 0
+    assert disk.counters["corrupt_deleted_total"] == 2 and not by_prompt[1].exists()
+
+
+async def test_foreign_model_files_are_deleted_at_start(make_engine, tmp_path):
+    first = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    await run(first, "a", prompt_of(6, 80), segs=A)
+    first.stop()
+    assert list(tmp_path.rglob("*.kv"))
+    other = make_engine(model="random-small", l3_dir=tmp_path, l3_min_free_bytes=0)
+    assert other.store.disk.counters["foreign_deleted_total"] >= 1
+    assert not [p for p in tmp_path.rglob("*.kv") if other.store.disk.dir not in p.parents]
+
+
+async def test_full_disk_stops_the_tier_and_requests_still_succeed(make_engine, tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    engine = make_engine(num_blocks=24, l2_bytes=2 * BLOCK_BYTES, l3_dir=tmp_path, l3_min_free_bytes=free * 2)
+    prompt = prompt_of(7, 80)
+    expected, _, _ = await run(engine, "ref", prompt, use_cache=False)
+    await run(engine, "first", prompt, segs=A)
+    await push_out_of_l1(engine)
+    engine.store.wait_for_writes()
+    got, _, _ = await run(engine, "again", prompt, segs=A)
+    assert got == expected
+    disk = engine.stats()["tiers"]["l3"]
+    assert disk["accepting"] == 0 and disk["write_errors_total"] >= 1
+    assert not list(tmp_path.rglob("*.kv"))
+
+
+async def test_namespaces_are_isolated_in_every_tier_and_after_restart(make_engine, tmp_path):
+    prompt = prompt_of(8, 80)
+    engine = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, l3_dir=tmp_path, l3_min_free_bytes=0)
+    await run(engine, "a", prompt, segs=A)
+    await push_out_of_l1(engine)
+    engine.store.wait_for_writes()
+    _, usage_b, _ = await run(engine, "b", prompt, segs=B)
+    assert usage_b["cached_tokens"] == 0
+    engine.stop()
+    restarted = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    c = segments(b"key-of-tenant-c!" * 2, "t-c")
+    _, usage_c, _ = await run(restarted, "c", prompt, segs=c)
+    assert usage_c["cached_tokens"] == 0
+    _, usage_a2, _ = await run(restarted, "a2", prompt, segs=A)
+    assert usage_a2["cached_tokens"] == 64 and usage_a2["cached_tokens_by_source"]["l3"] > 0
+
+
+async def test_purge_erases_a_namespace_from_every_tier_and_disk(make_engine, tmp_path):
+    engine = make_engine(num_blocks=24, l2_bytes=8 * BLOCK_BYTES, l3_dir=tmp_path, l3_min_free_bytes=0)
+    for i in range(3):
+        await run(engine, f"a{i}", prompt_of(20 + i, 80), segs=A)
+    await run(engine, "b", prompt_of(30, 80), segs=B)
+    await push_out_of_l1(engine)
+    engine.store.wait_for_writes()
+    assert any("t-a" in str(p) for p in tmp_path.rglob("*.kv"))
+    erased = await engine.purge("t-a")
+    assert erased["l1"] + erased["l2"] + erased["l3"] > 0
+    assert not any("t-a" in str(p) for p in tmp_path.rglob("*.kv"))
+    assert any("t-b" in str(p) for p in tmp_path.rglob("*.kv"))
+    _, usage, _ = await run(engine, "a-again", prompt_of(20, 80), segs=A)
+    assert usage["cached_tokens"] == 0
+
+
+def test_cost_gate_recomputes_when_loading_is_slower(make_engine):
+    engine = make_engine()
+    store = engine.store
+    engine.prefill_tokens_per_s = 16_000.0  # 1 ms per 16-token block
+    store.bandwidth["l2"].bps = 1e9  # 4 KB block in 4 µs: load
+    assert store.worth_loading("l2", 10)
+    store.bandwidth["l2"].bps = 1e6  # 4 ms per block: recompute
+    assert not store.worth_loading("l2", 10)
+
+
+@pytest.fixture
+def redis_url():
+    url = os.environ.get("PREFIXGATE_TEST_REDIS_URL")
+    if not url:
+        if os.environ.get("PREFIXGATE_REQUIRE_SERVICES"):
+            pytest.fail("PREFIXGATE_TEST_REDIS_URL is required in CI")
+        pytest.skip("set PREFIXGATE_TEST_REDIS_URL to run the Redis tier tests")
+    import redis
+
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(match="pg:kv:*"):
+        client.delete(key)
+    return url
+
+
+async def test_redis_tier_is_shared_between_workers_and_keeps_namespaces_apart(make_engine, redis_url):
+    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=redis_url)
+    prompt = prompt_of(40, 80)
+    expected, _, _ = await run(producer, "ref", prompt, use_cache=False)
+    await run(producer, "first", prompt, segs=A)
+    await push_out_of_l1(producer)
+    producer.store.wait_for_writes()
+    consumer = make_engine(remote_url=redis_url)
+    _, usage_b, _ = await run(consumer, "other-tenant", prompt, segs=B)
+    assert usage_b["cached_tokens"] == 0
+    got, usage, _ = await run(consumer, "same-tenant", prompt, segs=A)
+    assert got == expected
+    assert usage["cached_tokens_by_source"]["remote"] > 0
+
+
+async def test_redis_stopping_mid_run_only_causes_misses(make_engine, tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.5)
+        engine = make_engine(
+            num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=f"redis://127.0.0.1:{port}/0"
+        )
+        await run(engine, "first", prompt_of(50, 80), segs=A)
+        await push_out_of_l1(engine, 3)
+        engine.store.wait_for_writes()
+        server.terminate()
+        server.wait(timeout=10)
+        prompts = [prompt_of(60 + i, 80) for i in range(4)]
+        expected = [(await run(engine, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
+        got = []
+        for i, p in enumerate(prompts):
+            got.append((await run(engine, f"down{i}", p, segs=A, params=greedy()))[0])
+            await push_out_of_l1(engine, 2)
+        engine.store.wait_for_writes()
+        _, usage, _ = await run(engine, "first-again", prompt_of(50, 80), segs=A)
+        assert got == expected
+        assert engine.stats()["tiers"]["remote"]["errors_total"] >= 1
+        assert usage["completion_tokens"] == 12
+    finally:
+        server.kill()

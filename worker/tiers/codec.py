@@ -1,0 +1,131 @@
+"""Block codecs for the disk and remote tiers: ``none``, ``fp8`` (e4m3) and ``int4`` (group-wise, packed).
+
+A block is a tensor ``[num_layers, 2, block_size, kv_heads, head_dim]``. ``fp8`` keeps one float32 scale
+per (layer, k/v, head) of the block; ``int4`` one float16 scale per group of ``INT4_GROUP`` values along
+``head_dim``, symmetric, two values packed per byte. Codecs work on a batch of blocks at once.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT4_GROUP = 32
+
+
+class Codec(ABC):
+    name: str
+
+    @abstractmethod
+    def encode(self, blocks: torch.Tensor) -> list[bytes]:
+        """One payload per block of ``blocks`` [n, L, 2, bs, kvh, hd] (any float dtype, CPU)."""
+
+    @abstractmethod
+    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Blocks [n, *shape] in ``dtype`` from their payloads."""
+
+    @abstractmethod
+    def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Encoded size of one block."""
+
+
+def _stack(payloads: list[bytes], dtype: np.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(b"".join(payloads), dtype=dtype).copy())
+
+
+class NoneCodec(Codec):
+    name = "none"
+
+    def encode(self, blocks: torch.Tensor) -> list[bytes]:
+        raw = blocks.contiguous().view(torch.uint8).reshape(len(blocks), -1).numpy()
+        return [row.tobytes() for row in raw]
+
+    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return _stack(payloads, np.uint8).view(dtype).reshape(len(payloads), *shape)
+
+    def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class Fp8Codec(Codec):
+    name = "fp8"
+
+    def encode(self, blocks: torch.Tensor) -> list[bytes]:
+        x = blocks.float()
+        amax = x.abs().amax(dim=(3, 5), keepdim=True)  # over block_size and head_dim
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        q = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8).reshape(len(blocks), -1).numpy()
+        scales = scale.reshape(len(blocks), -1).numpy()
+        return [s.tobytes() + row.tobytes() for s, row in zip(scales, q, strict=True)]
+
+    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        layers, two, _, kvh, _ = shape
+        n_scale = layers * two * kvh
+        raw = _stack(payloads, np.uint8).reshape(len(payloads), -1)
+        scale = (
+            raw[:, : 4 * n_scale]
+            .contiguous()
+            .view(torch.float32)
+            .reshape(len(payloads), layers, two, 1, kvh, 1)
+        )
+        q = raw[:, 4 * n_scale :].contiguous().view(torch.float8_e4m3fn).reshape(len(payloads), *shape)
+        return (q.float() * scale).to(dtype)
+
+    def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        layers, two, _, kvh, _ = shape
+        return 4 * layers * two * kvh + math.prod(shape)
+
+
+class Int4Codec(Codec):
+    name = "int4"
+
+    @staticmethod
+    def _groups(head_dim: int) -> int:
+        group = min(INT4_GROUP, head_dim)
+        if head_dim % group:
+            raise ValueError(f"int4 codec needs head_dim divisible by {group}")
+        return head_dim // group
+
+    def encode(self, blocks: torch.Tensor) -> list[bytes]:
+        n = len(blocks)
+        hd = blocks.shape[-1]
+        groups = self._groups(hd)
+        x = blocks.float().reshape(*blocks.shape[:-1], groups, hd // groups)
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 7.0).clamp(min=1e-12).to(torch.float16)
+        q = (torch.round(x / scale.float()).clamp(-8, 7) + 8).to(torch.uint8).reshape(n, -1)
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).numpy()
+        scales = scale.reshape(n, -1).numpy()
+        return [s.tobytes() + row.tobytes() for s, row in zip(scales, packed, strict=True)]
+
+    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = len(payloads)
+        hd = shape[-1]
+        groups = self._groups(hd)
+        n_scale = math.prod(shape[:-1]) * groups
+        raw = _stack(payloads, np.uint8).reshape(n, -1)
+        scale = raw[:, : 2 * n_scale].contiguous().view(torch.float16).float()
+        packed = raw[:, 2 * n_scale :]
+        q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, -1).to(torch.int16) - 8
+        values = q.float().reshape(n, *shape[:-1], groups, hd // groups) * scale.reshape(
+            n, *shape[:-1], groups, 1
+        )
+        return values.reshape(n, *shape).to(dtype)
+
+    def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        groups = self._groups(shape[-1])
+        return 2 * math.prod(shape[:-1]) * groups + math.prod(shape) // 2
+
+
+CODECS: Mapping[str, Codec] = {c.name: c for c in (NoneCodec(), Fp8Codec(), Int4Codec())}
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV codec {name!r}; known: {sorted(CODECS)}") from None

@@ -1,0 +1,334 @@
+"""L3: compressed, persistent KV on local disk.
+
+Layout: ``<root>/<fingerprint[:16]>/<namespace_id>/<first block hash>.kv``. Each file is one entry
+(``worker.tiers.entry``): a run of consecutive blocks of one chain, written atomically (temp file, fsync,
+rename). On start the index is rebuilt from the headers; files of another model fingerprint, corrupt or
+truncated files are deleted and counted. Files are the eviction unit, leaf-first: a file whose blocks are
+the parents of another file's first block stays until that file is gone. Thread-safe: the writer thread,
+prefetch readers and the engine thread share it under one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from policies.eviction import BlockId, BlockMeta, make_policy
+from policies.hashing import BlockHash
+from worker.tiers.codec import get_codec
+from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payload
+from worker.tiers.host import DemotedBlock
+
+log = logging.getLogger("prefixgate.worker.disk")
+_NS_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+HEADER_READ_BYTES = 1 << 16
+
+
+@dataclass(slots=True)
+class DiskFile:
+    file_id: int
+    path: Path
+    namespace_id: str
+    num_bytes: int
+    records: tuple[BlockRecord, ...]
+    num_child_files: int = 0  # files whose first block's parent is one of this file's blocks
+
+
+def _safe_dirname(namespace_id: str) -> str:
+    if namespace_id and set(namespace_id) <= _NS_SAFE and namespace_id not in {".", ".."}:
+        return namespace_id
+    return "ns-" + namespace_id.encode().hex()
+
+
+def group_runs(blocks: Sequence[DemotedBlock], max_blocks: int) -> list[list[DemotedBlock]]:
+    """Split blocks into chains of consecutive blocks (same namespace), at most ``max_blocks`` each."""
+    by_hash = {b.record.block_hash: b for b in blocks}
+    children: dict[BlockHash, list[DemotedBlock]] = {}
+    for b in blocks:
+        parent = by_hash.get(b.record.parent_hash) if b.record.parent_hash else None
+        if parent is not None and parent.namespace_id == b.namespace_id:
+            children.setdefault(parent.record.block_hash, []).append(b)
+    has_parent = {kid.record.block_hash for kids in children.values() for kid in kids}
+    starts = [b for b in blocks if b.record.block_hash not in has_parent]
+    runs: list[list[DemotedBlock]] = []
+    pending = list(starts)
+    while pending:
+        run = [pending.pop(0)]
+        while len(run) < max_blocks and (kids := children.get(run[-1].record.block_hash)):
+            run.append(kids[0])
+            pending.extend(kids[1:])
+        if len(run) == max_blocks and (kids := children.get(run[-1].record.block_hash)):
+            pending.extend(kids)
+        runs.append(run)
+    return runs
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        budget_bytes: int,
+        fingerprint: bytes,
+        codec: str,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eviction_policy: str = "default",
+        max_blocks_per_file: int = 32,
+        pause_after_error_s: float = 30.0,
+        min_free_bytes: int = 256 << 20,
+    ) -> None:
+        self.dir = root / fingerprint.hex()[:16]
+        self.fingerprint = fingerprint
+        self.codec = get_codec(codec)
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self.max_blocks_per_file = max_blocks_per_file
+        self.pause_after_error_s = pause_after_error_s
+        self.min_free_bytes = min_free_bytes  # the tier counts the disk as full below this much free space
+        self.reserved_bytes: dict[str, int] = {}  # namespace -> bytes protected from other owners
+        self._bytes_by_ns: Counter[str] = Counter()
+        self.block_payload_bytes = self.codec.payload_bytes(block_shape, dtype)
+        capacity_files = max(16, budget_bytes // max(1, self.block_payload_bytes * max_blocks_per_file // 2))
+        self.policy = make_policy(eviction_policy, capacity_files)
+        self.files: dict[int, DiskFile] = {}
+        self.index: dict[BlockHash, tuple[int, int]] = {}  # block hash -> (file id, position in file)
+        self.num_bytes = 0
+        self.counters: Counter[str] = Counter()
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._paused_until = 0.0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._scan(root)
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _scan(self, root: Path) -> None:
+        for other in root.iterdir():
+            if other.is_dir() and other != self.dir and len(other.name) == 16:
+                self.counters["foreign_deleted_total"] += sum(1 for _ in other.rglob("*.kv"))
+                shutil.rmtree(other, ignore_errors=True)
+        for path in sorted(self.dir.rglob("*")):
+            if path.suffix == ".tmp":
+                path.unlink(missing_ok=True)
+            elif path.suffix == ".kv":
+                try:
+                    with path.open("rb") as handle:
+                        head = handle.read(HEADER_READ_BYTES)
+                    header = decode_header(head, fingerprint=self.fingerprint)
+                    size = path.stat().st_size
+                    if size != header.total_bytes:
+                        raise CorruptEntry("file size does not match its header")
+                except (CorruptEntry, OSError) as exc:
+                    log.warning("deleting unreadable KV file %s: %s", path, exc)
+                    path.unlink(missing_ok=True)
+                    self.counters["corrupt_deleted_total"] += 1
+                    continue
+                self._register(path, header.namespace_id, header.blocks, size)
+        self.counters["files_recovered_total"] = len(self.files)
+
+    # ---- index ---------------------------------------------------------------------------------
+    def _register(self, path: Path, namespace_id: str, records: Sequence[BlockRecord], size: int) -> None:
+        with self._lock:
+            if any(r.block_hash in self.index for r in records):
+                path.unlink(missing_ok=True)  # a duplicate of what another file holds
+                return
+            file_id = next(self._ids)
+            self.files[file_id] = DiskFile(file_id, path, namespace_id, size, tuple(records))
+            for pos, record in enumerate(records):
+                self.index[record.block_hash] = (file_id, pos)
+            parent = records[0].parent_hash
+            parent_file = self.index.get(parent) if parent else None
+            if parent_file is not None:
+                self.files[parent_file[0]].num_child_files += 1
+            self.num_bytes += size
+            self._bytes_by_ns[namespace_id] += size
+            meta = BlockMeta(
+                position=0, parent=BlockId(parent_file[0]) if parent_file else None, namespace_id=namespace_id
+            )
+            self.policy.on_insert(BlockId(file_id), meta, time.monotonic())
+
+    def _drop(self, file_id: int, *, unlink: bool = True) -> int:
+        """Forget (and delete) one file; returns its number of blocks. Caller holds the lock."""
+        info = self.files.pop(file_id)
+        for record in info.records:
+            self.index.pop(record.block_hash, None)
+        parent = info.records[0].parent_hash
+        if parent and parent in self.index:
+            self.files[self.index[parent][0]].num_child_files -= 1
+        self.num_bytes -= info.num_bytes
+        self._bytes_by_ns[info.namespace_id] -= info.num_bytes
+        if file_id in self.policy:
+            self.policy.on_remove(BlockId(file_id))
+        if unlink:
+            info.path.unlink(missing_ok=True)
+        return len(info.records)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.index
+
+    def match(
+        self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]
+    ) -> list[tuple[int, int]]:
+        """(file, position) of the longest run of ``hashes`` held here, from the first one on."""
+        found = []
+        with self._lock:
+            for block_hash, tokens in zip(hashes, token_blocks, strict=False):
+                where = self.index.get(block_hash)
+                if where is None or self.files[where[0]].records[where[1]].token_ids != tuple(tokens):
+                    break
+                found.append(where)
+        return found
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def read(self, file_id: int, positions: Sequence[int]) -> tuple[list[BlockRecord], torch.Tensor]:
+        """Decode blocks ``positions`` of one file. Raises CorruptEntry (and deletes the file) on damage."""
+        with self._lock:
+            info = self.files.get(file_id)
+            if info is None:
+                raise CorruptEntry("file was evicted")
+            if file_id in self.policy:
+                self.policy.on_hit(BlockId(file_id), time.monotonic())
+        try:
+            data = info.path.read_bytes()
+            header = decode_header(data, fingerprint=self.fingerprint)
+            if len(data) != header.total_bytes or header.namespace_id != info.namespace_id:
+                raise CorruptEntry("truncated or misplaced file")
+            payloads = [payload(data, header, p) for p in positions]
+        except (CorruptEntry, OSError) as exc:
+            log.warning("deleting damaged KV file %s: %s", info.path, exc)
+            with self._lock:
+                if file_id in self.files:
+                    self._drop(file_id)
+                self.counters["corrupt_deleted_total"] += 1
+            raise CorruptEntry(str(exc)) from None
+        blocks = self.codec.decode(payloads, self.block_shape, self.dtype)
+        self.counters["blocks_read_total"] += len(positions)
+        self.counters["bytes_read_total"] += len(data)
+        return [header.blocks[p] for p in positions], blocks
+
+    # ---- writes --------------------------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        return time.monotonic() >= self._paused_until
+
+    def write(self, blocks: Sequence[DemotedBlock]) -> int:
+        """Store demoted blocks (writer thread); returns how many were written."""
+        if not self.accepting:
+            self.counters["blocks_refused_total"] += len(blocks)
+            return 0
+        fresh = [b for b in blocks if b.record.block_hash not in self.index]
+        written = 0
+        for run in group_runs(fresh, self.max_blocks_per_file):
+            try:
+                written += self._write_run(run)
+            except OSError as exc:
+                self.counters["write_errors_total"] += 1
+                self._paused_until = time.monotonic() + self.pause_after_error_s
+                level = logging.WARNING if exc.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
+                log.log(level, "disk tier stops accepting for %.0f s: %s", self.pause_after_error_s, exc)
+                break
+        return written
+
+    def _write_run(self, run: list[DemotedBlock]) -> int:
+        namespace_id = run[0].namespace_id
+        data = torch.stack([b.data for b in run])
+        entry = encode_entry(
+            fingerprint=self.fingerprint,
+            namespace_id=namespace_id,
+            codec=self.codec.name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_shape=self.block_shape,
+            blocks=[b.record for b in run],
+            payloads=self.codec.encode(data),
+        )
+        if shutil.disk_usage(self.dir).free < len(entry) + self.min_free_bytes:
+            raise OSError(
+                errno.ENOSPC, f"less than {self.min_free_bytes} bytes would be left free on the KV disk"
+            )
+        self._make_room(len(entry), namespace_id)
+        directory = self.dir / _safe_dirname(namespace_id)
+        directory.mkdir(exist_ok=True)
+        path = directory / f"{run[0].record.block_hash.hex()}.kv"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with tmp.open("wb") as handle:
+                handle.write(entry)
+                handle.flush()
+                os.fsync(handle.fileno())
+            tmp.rename(path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._register(path, namespace_id, [b.record for b in run], len(entry))
+        self.counters["blocks_written_total"] += len(run)
+        self.counters["bytes_written_total"] += len(entry)
+        return len(run)
+
+    def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
+        """Protect up to ``num_bytes`` of ``namespace_id``'s files from other owners' writes."""
+        with self._lock:
+            if num_bytes > 0:
+                self.reserved_bytes[namespace_id] = min(num_bytes, self.budget_bytes // 2)
+            else:
+                self.reserved_bytes.pop(namespace_id, None)
+
+    def _evictable(self, file_id: int, writer: str) -> bool:
+        info = self.files.get(file_id)
+        if info is None or info.num_child_files:
+            return False
+        owner = info.namespace_id
+        reserved = self.reserved_bytes.get(owner, 0)
+        return not (reserved and owner != writer and self._bytes_by_ns[owner] <= reserved)
+
+    def _make_room(self, num_bytes: int, writer: str) -> None:
+        with self._lock:
+            while self.files and self.num_bytes + num_bytes > self.budget_bytes:
+                victim = self.policy.evict(lambda f: self._evictable(f, writer))
+                if victim is None:
+                    break
+                self._drop(victim)
+                self.counters["files_evicted_total"] += 1
+
+    # ---- purge ---------------------------------------------------------------------------------
+    def purge(self, namespace_id: str) -> int:
+        """Delete every file of ``namespace_id`` (and files chained below them); returns blocks erased."""
+        erased = 0
+        with self._lock:
+            doomed = {fid for fid, info in self.files.items() if info.namespace_id == namespace_id}
+            changed = True
+            while changed:  # files continuing a doomed file's chain would be stranded
+                changed = False
+                for fid, info in self.files.items():
+                    parent = info.records[0].parent_hash
+                    if fid not in doomed and parent in self.index and self.index[parent][0] in doomed:
+                        doomed.add(fid)
+                        changed = True
+            for fid in doomed:
+                erased += self._drop(fid)
+        with contextlib.suppress(OSError):
+            (self.dir / _safe_dirname(namespace_id)).rmdir()
+        return erased
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "files": len(self.files),
+                "blocks": len(self.index),
+                "bytes": self.num_bytes,
+                "budget_bytes": self.budget_bytes,
+                "accepting": int(self.accepting),
+                **self.counters,
+            }

@@ -1,0 +1,208 @@
+"""Remote tier: KV blocks in Redis, shared by every worker of one model.
+
+Keys are ``pg:kv:<fingerprint[:16]>:<namespace_id>:<block hash>``, so the namespace and the model travel
+with every block; the value is a one-block entry (``worker.tiers.entry``), verified on read (fingerprint,
+namespace, hash, tokens, checksum). The byte budget is enforced by an LRU kept in Redis itself (a sorted set
+of keys by last use and a hash of their sizes, trimmed atomically by a Lua script on every write) plus a
+TTL. Every call has a short timeout; an error or timeout is a miss and pauses the tier for a few seconds,
+so a slow or stopped Redis never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import redis
+import torch
+
+from policies.hashing import BlockHash
+from worker.tiers.codec import get_codec
+from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payload
+from worker.tiers.host import DemotedBlock
+
+log = logging.getLogger("prefixgate.worker.remote")
+
+_PUT_SCRIPT = """
+local old = redis.call('HGET', KEYS[3], KEYS[1])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[1]))
+local total = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]) - (tonumber(old) or 0))
+local evicted = 0
+while total > tonumber(ARGV[4]) do
+  local victims = redis.call('ZPOPMIN', KEYS[2], 16)
+  if #victims == 0 then break end
+  for i = 1, #victims, 2 do
+    local size = tonumber(redis.call('HGET', KEYS[3], victims[i])) or 0
+    redis.call('HDEL', KEYS[3], victims[i])
+    redis.call('DEL', victims[i])
+    total = redis.call('DECRBY', KEYS[4], size)
+    evicted = evicted + 1
+  end
+end
+return evicted
+"""
+
+ERRORS = (redis.RedisError, OSError)
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        url: str,
+        *,
+        fingerprint: bytes,
+        codec: str,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        budget_bytes: int,
+        ttl_s: float,
+        timeout_s: float,
+        pause_after_error_s: float = 5.0,
+    ) -> None:
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.fingerprint = fingerprint
+        self.codec = get_codec(codec)
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self.ttl_ms = int(ttl_s * 1000)
+        self.pause_after_error_s = pause_after_error_s
+        self.prefix = f"pg:kv:{fingerprint.hex()[:16]}"
+        self._lru, self._sizes, self._total = (
+            f"{self.prefix}:lru",
+            f"{self.prefix}:sizes",
+            f"{self.prefix}:bytes",
+        )
+        self._put = self.client.register_script(_PUT_SCRIPT)
+        self._down_until = 0.0
+        self.counters: Counter[str] = Counter()
+
+    def key(self, namespace_id: str, block_hash: BlockHash) -> str:
+        return f"{self.prefix}:{namespace_id}:{block_hash.hex()}"
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        self.counters["errors_total"] += 1
+        self._down_until = time.monotonic() + self.pause_after_error_s
+        log.warning("remote KV tier unavailable for %.0f s: %s", self.pause_after_error_s, exc)
+
+    def put(self, blocks: Sequence[DemotedBlock]) -> int:
+        """Store blocks (writer thread); returns how many were written."""
+        if not blocks or not self.available:
+            return 0
+        payloads = self.codec.encode(torch.stack([b.data for b in blocks]))
+        now_ms = int(time.time() * 1000)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for block, data in zip(blocks, payloads, strict=True):
+                entry = encode_entry(
+                    fingerprint=self.fingerprint,
+                    namespace_id=block.namespace_id,
+                    codec=self.codec.name,
+                    dtype=str(self.dtype).removeprefix("torch."),
+                    block_shape=self.block_shape,
+                    blocks=[block.record],
+                    payloads=[data],
+                )
+                keys = [
+                    self.key(block.namespace_id, block.record.block_hash),
+                    self._lru,
+                    self._sizes,
+                    self._total,
+                ]
+                self._put(keys=keys, args=[entry, self.ttl_ms, now_ms, self.budget_bytes], client=pipe)
+            evicted = pipe.execute()
+        except ERRORS as exc:
+            self._failed(exc)
+            return 0
+        self.counters["blocks_written_total"] += len(blocks)
+        self.counters["blocks_evicted_total"] += sum(int(e) for e in evicted)
+        return len(blocks)
+
+    def get_run(
+        self,
+        namespace_ids: Sequence[str],
+        hashes: Sequence[BlockHash],
+        token_blocks: Sequence[Sequence[int]],
+        *,
+        batch: int = 16,
+    ) -> tuple[list[BlockRecord], torch.Tensor | None]:
+        """The longest run of ``hashes`` stored remotely, decoded; ([], None) on a miss or an error."""
+        records: list[BlockRecord] = []
+        payloads: list[bytes] = []
+        if not self.available:
+            return records, None
+        try:
+            for start in range(0, len(hashes), batch):
+                keys = [
+                    self.key(ns, h)
+                    for ns, h in zip(
+                        namespace_ids[start : start + batch], hashes[start : start + batch], strict=True
+                    )
+                ]
+                values = self.client.mget(keys)
+                found = 0
+                for offset, value in enumerate(values):
+                    k = start + offset
+                    if value is None:
+                        break
+                    try:
+                        header = decode_header(value, fingerprint=self.fingerprint)
+                        record = header.blocks[0]
+                        if (
+                            header.namespace_id != namespace_ids[k]
+                            or record.block_hash != hashes[k]
+                            or record.token_ids != tuple(token_blocks[k])
+                        ):
+                            raise CorruptEntry("entry does not match its key")
+                        payloads.append(payload(value, header, 0))
+                    except CorruptEntry as exc:
+                        log.warning("dropping damaged remote KV entry %s: %s", keys[offset], exc)
+                        self.client.delete(keys[offset])
+                        self.counters["corrupt_deleted_total"] += 1
+                        break
+                    records.append(record)
+                    found += 1
+                if found:
+                    touch = self.client.pipeline(transaction=False)
+                    touch.zadd(self._lru, {key: int(time.time() * 1000) for key in keys[:found]})
+                    for key in keys[:found]:
+                        touch.pexpire(key, self.ttl_ms)
+                    touch.execute()
+                if found < len(keys):
+                    break
+        except ERRORS as exc:
+            self._failed(exc)
+            return [], None
+        if not records:
+            return records, None
+        self.counters["blocks_read_total"] += len(records)
+        return records, self.codec.decode(payloads, self.block_shape, self.dtype)
+
+    def purge(self, namespace_id: str) -> int:
+        """Delete every block of ``namespace_id`` of this model; returns how many."""
+        erased = 0
+        try:
+            for key in self.client.scan_iter(match=f"{self.prefix}:{namespace_id}:*", count=500):
+                pipe = self.client.pipeline()
+                pipe.hget(self._sizes, key)
+                pipe.delete(key)
+                pipe.zrem(self._lru, key)
+                pipe.hdel(self._sizes, key)
+                size, deleted, *_ = pipe.execute()
+                if size:
+                    self.client.decrby(self._total, int(size))
+                erased += int(deleted)
+        except ERRORS as exc:
+            self._failed(exc)
+        return erased
+
+    def stats(self) -> dict[str, int]:
+        return {"available": int(self.available), "budget_bytes": self.budget_bytes, **self.counters}

@@ -1,0 +1,397 @@
+"""The tiered KV store: moves blocks between the device pool (L1), host DRAM (L2), disk (L3) and Redis.
+
+- Eviction from L1 demotes the block into L2 (a synchronous device→host copy: the slot is reused at once);
+  eviction from L2 demotes chunks to a writer thread that stores them in L3 and the remote tier.
+- When a request arrives, its prefix is looked up across tiers at once; blocks found only in L3 or Redis
+  are prefetched into L2 by reader threads while the request waits for admission and other requests run.
+- At admission the L2 part of the chain is copied into freshly allocated L1 blocks (copy thread or CUDA
+  stream); the request prefills only after the copy is done.
+- A tier is used only if loading from it is estimated faster than recomputing the blocks (measured
+  bandwidth per tier vs the engine's measured prefill speed).
+
+Every method except the worker threads' is called from the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from policies.hashing import BlockHash
+from worker.block_manager import Block, BlockManager
+from worker.tiers.disk import DiskTier
+from worker.tiers.entry import BlockRecord, CorruptEntry
+from worker.tiers.host import DemotedBlock, HostTier
+from worker.tiers.remote import RemoteTier
+from worker.tiers.transfer import Copier, Transfer
+
+log = logging.getLogger("prefixgate.worker.tiers")
+SOURCES = ("l1", "l2", "l3", "remote")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierConfig:
+    l2_bytes: int = 512 << 20
+    l3_dir: Path | None = None
+    l3_bytes: int = 4 << 30
+    l3_codec: str = "none"
+    remote_url: str | None = None
+    remote_bytes: int = 1 << 30
+    remote_ttl_s: float = 3600.0
+    remote_timeout_s: float = 0.05
+    remote_codec: str = "none"
+    l3_min_free_bytes: int = 256 << 20
+    eviction_policy: str = "default"
+
+
+@dataclass(slots=True)
+class PrefetchPlan:
+    """Blocks of one request to fetch from L3 and/or Redis into L2 (a contiguous run of its chain)."""
+
+    request_id: str
+    start: int  # index of the first block to fetch in the request's chain
+    hashes: list[BlockHash]
+    token_blocks: list[list[int]]
+    namespace_ids: list[str]
+    disk_reads: list[tuple[int, list[int]]] = field(default_factory=list)  # (file id, positions), in order
+    disk_blocks: int = 0
+    use_remote: bool = False
+
+
+@dataclass(slots=True)
+class PrefetchResult:
+    request_id: str
+    start: int
+    records: list[BlockRecord]
+    sources: list[str]
+    namespace_ids: list[str]
+    data: torch.Tensor | None
+    seconds: float
+
+
+class Bandwidth:
+    """Exponential moving average of measured bytes/s (starts from a prior)."""
+
+    def __init__(self, prior_bps: float) -> None:
+        self.bps = prior_bps
+        self.samples = 0
+
+    def record(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes <= 0 or seconds <= 0:
+            return
+        rate = num_bytes / seconds
+        self.bps = rate if self.samples == 0 else 0.7 * self.bps + 0.3 * rate
+        self.samples += 1
+
+
+class TieredStore:
+    def __init__(
+        self,
+        config: TierConfig,
+        *,
+        fingerprint: bytes,
+        kv_cache: torch.Tensor,
+        bytes_per_block: int,
+        prefill_tokens_per_s: Callable[[], float],
+        post: Callable[[tuple[str, Any]], None],
+    ) -> None:
+        self.config = config
+        self.block_shape = tuple(kv_cache.shape[1:])
+        self.block_size = self.block_shape[2]
+        self.dtype = kv_cache.dtype
+        self.bytes_per_block = bytes_per_block
+        self._prefill_rate = prefill_tokens_per_s
+        self._post = post
+        self.copier = Copier(kv_cache)
+        self.l2 = HostTier(
+            capacity_blocks=max(1, config.l2_bytes // bytes_per_block),
+            block_shape=self.block_shape,
+            dtype=self.dtype,
+            pin_memory=kv_cache.is_cuda,
+            eviction_policy=config.eviction_policy,
+            on_demote=self._enqueue_demotion,
+        )
+        self.disk = None
+        if config.l3_dir is not None:
+            self.disk = DiskTier(
+                config.l3_dir,
+                budget_bytes=config.l3_bytes,
+                fingerprint=fingerprint,
+                codec=config.l3_codec,
+                block_shape=self.block_shape,
+                dtype=self.dtype,
+                eviction_policy=config.eviction_policy,
+                min_free_bytes=config.l3_min_free_bytes,
+            )
+        self.remote = None
+        if config.remote_url:
+            self.remote = RemoteTier(
+                config.remote_url,
+                fingerprint=fingerprint,
+                codec=config.remote_codec,
+                block_shape=self.block_shape,
+                dtype=self.dtype,
+                budget_bytes=config.remote_bytes,
+                ttl_s=config.remote_ttl_s,
+                timeout_s=config.remote_timeout_s,
+            )
+        self.bandwidth = {
+            "l2": Bandwidth(self._calibrate_copy()),
+            "l3": Bandwidth(500e6),
+            "remote": Bandwidth(100e6),
+        }
+        self.hits = dict.fromkeys(SOURCES, 0)
+        self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
+        self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
+        self.dropped_demotions = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
+        self._writer.start()
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
+
+    # ---- cost gate -------------------------------------------------------------------------------
+    def _calibrate_copy(self) -> float:
+        """Host→pool copy speed of this machine, measured once at start-up."""
+        probe = torch.empty((8, *self.block_shape), dtype=self.dtype)
+        target = torch.empty_like(probe)
+        target.copy_(probe)
+        started = time.perf_counter()
+        for _ in range(5):
+            target.copy_(probe)
+        seconds = max(time.perf_counter() - started, 1e-9)
+        return 5 * probe.numel() * probe.element_size() / seconds
+
+    def worth_loading(self, tier: str, num_blocks: int) -> bool:
+        """Is loading ``num_blocks`` from ``tier`` estimated faster than recomputing them?"""
+        rate = self._prefill_rate()
+        if num_blocks <= 0 or rate <= 0:
+            return num_blocks > 0
+        codec = {
+            "l3": self.disk.codec if self.disk else None,
+            "remote": self.remote.codec if self.remote else None,
+        }.get(tier)
+        per_block = codec.payload_bytes(self.block_shape, self.dtype) if codec else self.bytes_per_block
+        load_s = num_blocks * per_block / self.bandwidth[tier].bps
+        recompute_s = num_blocks * self.block_size / rate
+        return load_s < recompute_s
+
+    # ---- demotion ----------------------------------------------------------------------------------
+    def demote_from_l1(self, block: Block) -> None:
+        """The device pool's eviction hook: keep the victim in L2."""
+        if block.block_hash is None:
+            return
+        record = BlockRecord(
+            block_hash=block.block_hash, parent_hash=block.parent_hash, token_ids=block.token_ids
+        )
+        self.l2.put(record, block.namespace_id, 0, self.copier.kv_cache[block.block_id])
+
+    def _enqueue_demotion(self, blocks: list[DemotedBlock]) -> None:
+        if self.disk is None and self.remote is None:
+            return
+        try:
+            self._writes.put_nowait(blocks)
+        except queue.Full:  # the disk is slower than eviction: it is a cache, drop rather than stall
+            self.dropped_demotions += len(blocks)
+
+    def _write_loop(self) -> None:
+        while True:
+            blocks = self._writes.get()
+            if blocks is None:
+                self._writes.task_done()
+                return
+            try:
+                if self.disk is not None:
+                    self.disk.write(blocks)
+                if self.remote is not None:
+                    self.remote.put(blocks)
+            except Exception:  # a failed write loses cache, never the worker
+                log.exception("demotion write failed")
+            finally:
+                self._writes.task_done()
+
+    # ---- prefetch (arrival) ------------------------------------------------------------------------
+    def plan_prefetch(
+        self,
+        request_id: str,
+        hashes: Sequence[BlockHash],
+        token_blocks: Sequence[list[int]],
+        namespace_ids: Sequence[str],
+        num_l1: int,
+    ) -> PrefetchPlan | None:
+        """What to fetch for a new request whose first ``num_l1`` blocks are in L1 (None: nothing)."""
+        start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
+        plan = PrefetchPlan(
+            request_id=request_id,
+            start=start,
+            hashes=list(hashes[start:]),
+            token_blocks=list(token_blocks[start:]),
+            namespace_ids=list(namespace_ids[start:]),
+        )
+        if not plan.hashes:
+            return None
+        if self.disk is not None:
+            found = self.disk.match(plan.hashes, plan.token_blocks)
+            if found and not self.worth_loading("l3", len(found)):
+                self.gated["l3"] += len(found)
+                return None
+            for file_id, position in found:
+                if plan.disk_reads and plan.disk_reads[-1][0] == file_id:
+                    plan.disk_reads[-1][1].append(position)
+                else:
+                    plan.disk_reads.append((file_id, [position]))
+            plan.disk_blocks = len(found)
+        plan.use_remote = (
+            self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
+        )
+        return plan if plan.disk_blocks or plan.use_remote else None
+
+    def start_prefetch(self, plan: PrefetchPlan) -> None:
+        self._readers.submit(self._fetch, plan)
+
+    def _fetch(self, plan: PrefetchPlan) -> None:
+        started = time.perf_counter()
+        records: list[BlockRecord] = []
+        sources: list[str] = []
+        parts: list[torch.Tensor] = []
+        try:
+            if self.disk is not None:
+                for file_id, positions in plan.disk_reads:
+                    t0 = time.perf_counter()
+                    got, data = self.disk.read(file_id, positions)
+                    payload = len(positions) * self.disk.block_payload_bytes
+                    self.bandwidth["l3"].record(payload, time.perf_counter() - t0)
+                    records += got
+                    sources += ["l3"] * len(got)
+                    parts.append(data)
+            if plan.use_remote and len(records) == plan.disk_blocks and self.remote is not None:
+                k = len(records)
+                if self.worth_loading("remote", 1):
+                    t0 = time.perf_counter()
+                    got, data = self.remote.get_run(
+                        plan.namespace_ids[k:], plan.hashes[k:], plan.token_blocks[k:]
+                    )
+                    if got and data is not None:
+                        per_block = self.remote.codec.payload_bytes(self.block_shape, self.dtype)
+                        self.bandwidth["remote"].record(len(got) * per_block, time.perf_counter() - t0)
+                        records += got
+                        sources += ["remote"] * len(got)
+                        parts.append(data)
+        except CorruptEntry:
+            pass  # the run ends at the damaged file; it was deleted and counted
+        except Exception:
+            log.exception("prefetch of %s failed", plan.request_id)
+        data = torch.cat(parts) if parts else None
+        result = PrefetchResult(
+            request_id=plan.request_id,
+            start=plan.start,
+            records=records,
+            sources=sources,
+            namespace_ids=plan.namespace_ids[: len(records)],
+            data=data,
+            seconds=time.perf_counter() - started,
+        )
+        self._post(("prefetched", result))
+
+    def finish_prefetch(self, result: PrefetchResult) -> dict[BlockHash, str]:
+        """Offer fetched blocks to L2 (the request keeps its own copy); returns each block's origin tier."""
+        origins: dict[BlockHash, str] = {}
+        for i, record in enumerate(result.records):
+            assert result.data is not None
+            self.l2.put(record, result.namespace_ids[i], result.start + i, result.data[i])
+            origins[record.block_hash] = result.sources[i]
+        return origins
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def match_l2(self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
+        slots = self.l2.match(hashes, token_blocks)
+        if slots and not self.worth_loading("l2", len(slots)):
+            self.gated["l2"] += len(slots)
+            return []
+        return slots
+
+    def load(self, source: torch.Tensor, indices: list[int], block_ids: list[int]) -> Transfer:
+        """Copy host blocks ``source[indices]`` into L1 ``block_ids`` (pinned L2 slots stay until done)."""
+        return self.copier.copy_in(source, indices, block_ids)
+
+    def loaded(self, transfer: Transfer) -> None:
+        self.bandwidth["l2"].record(transfer.num_bytes, transfer.seconds)
+
+    # ---- maintenance -------------------------------------------------------------------------------
+    def set_reservation(self, namespace_id: str, num_blocks: int) -> None:
+        """A dedicated owner's quota, applied in L2 (blocks) and L3 (the same number of blocks' bytes)."""
+        self.l2.index.set_reservation(namespace_id, num_blocks)
+        if self.disk is not None:
+            self.disk.set_reservation(namespace_id, num_blocks * self.disk.block_payload_bytes)
+
+    def wait_for_writes(self) -> None:
+        """Block until every queued demotion has been written."""
+        self._writes.join()
+
+    def purge(self, namespace_id: str) -> dict[str, int]:
+        self._writes.join()  # nothing of the namespace may land on disk after the purge
+        erased = {"l2": self.l2.purge(namespace_id)}
+        if self.disk is not None:
+            erased["l3"] = self.disk.purge(namespace_id)
+        if self.remote is not None:
+            erased["remote"] = self.remote.purge(namespace_id)
+        return erased
+
+    def flush(self, pool: BlockManager) -> int:
+        """Write every cached L1 and L2 block to disk (clean shutdown); returns blocks written."""
+        if self.disk is None:
+            return 0
+        self._writes.join()
+        blocks = [
+            DemotedBlock(
+                record=BlockRecord(block_hash=b.block_hash, parent_hash=b.parent_hash, token_ids=b.token_ids),
+                namespace_id=b.namespace_id,
+                position=0,
+                data=self.copier.copy_out(b.block_id),
+            )
+            for b in pool.blocks
+            if b.block_hash is not None and b.block_hash not in self.disk
+        ]
+        blocks += [
+            DemotedBlock(
+                record=self.l2.record(b.block_id),
+                namespace_id=b.namespace_id,
+                position=position,
+                data=self.l2.data[b.block_id].clone(),
+            )
+            for b, position in self.l2.resident()
+            if b.block_hash not in self.disk
+        ]
+        return self.disk.write(blocks)
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        self._readers.shutdown(wait=True)
+        self.copier.close()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hits_blocks": dict(self.hits),
+            "gated_blocks": dict(self.gated),
+            "bandwidth_gbps": {k: round(v.bps / 1e9, 3) for k, v in self.bandwidth.items()},
+            "l2": {
+                "blocks": self.l2.index.num_cached_blocks,
+                "capacity_blocks": self.l2.capacity_blocks,
+                "stored_total": self.l2.num_stored,
+                "evictions_total": self.l2.index.num_evictions,
+            },
+            "demotions_dropped_total": self.dropped_demotions,
+        }
+        if self.disk is not None:
+            out["l3"] = self.disk.stats()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
+        return out
