@@ -201,8 +201,7 @@ class RequestPipeline:
         candidates = self._pool.candidates(model.model_id)
         if not candidates:
             raise Unavailable(f"no healthy worker serves '{model.model_id}'")
-        if len(candidates) == 1:
-            return candidates[0].url
+        # Hashed even for a single worker: ~0.02 ms, and the measured overhead stays that of a fleet.
         affinity: bytes | None = None
         if prompt_cache_key:
             affinity = cache_key_affinity(segments[-1].key, prompt_cache_key)

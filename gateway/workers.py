@@ -56,7 +56,12 @@ class WorkerPool:
 
     @property
     def models(self) -> dict[str, ModelGroup]:
-        return self._models
+        """Models with at least one healthy worker."""
+        return {
+            model_id: group
+            for model_id, group in self._models.items()
+            if any(self.workers[url].healthy for url in group.worker_urls)
+        }
 
     def model(self, model_id: str) -> ModelRuntime | None:
         group = self._models.get(model_id)
