@@ -18,7 +18,7 @@ from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
-from gateway.ratelimit import RateLimiter
+from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
 from gateway.state import (
     CONFIG,
@@ -47,6 +47,13 @@ async def _stop(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def rate_limit_ctx(app: web.Application) -> AsyncIterator[None]:
+    redis_url = app[CONFIG].redis_url
+    app[RATE_LIMITER] = RedisRateLimiter(redis_url) if redis_url else LocalRateLimiter()
+    yield
+    await app[RATE_LIMITER].close()
 
 
 async def database_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -133,8 +140,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = GatewayMetrics()
-    app[RATE_LIMITER] = RateLimiter()
-    app.cleanup_ctx.extend([database_ctx, usage_ctx, workers_ctx])
+    app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, workers_ctx])
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)

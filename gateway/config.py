@@ -33,6 +33,7 @@ class GatewayConfig:
     usage_flush_s: float = 0.5
     usage_batch_max: int = 512
     usage_spool_path: Path | None = None  # None: usage-spool.jsonl in the data dir
+    redis_url: str | None = None  # shared rate-limit counters between replicas (None: per replica)
     router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     worker_health_interval_s: float = 2.0

@@ -62,7 +62,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
     call = TenantCall(tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint))
     started = time.perf_counter()
     try:
-        if not request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
+        if not await request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
             raise RateLimited(f"rate limit of {tenant.rate_limit_rpm} requests per minute reached")
         yield call
     except APIError as exc:

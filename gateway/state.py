@@ -17,7 +17,7 @@ from tenancy.usage import UsageWriter
 
 CONFIG = web.AppKey("config", GatewayConfig)
 METRICS = web.AppKey("metrics", GatewayMetrics)
-RATE_LIMITER = web.AppKey("rate_limiter", RateLimiter)
+RATE_LIMITER = web.AppKey("rate_limiter", RateLimiter)  # type: ignore[type-abstract]
 ENGINE = web.AppKey("engine", AsyncEngine)
 SESSIONMAKER = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
 REPOSITORY = web.AppKey("repository", TenantRepository)

@@ -35,3 +35,11 @@ def test_sqlite_upgrade_matches_models_and_downgrades(tmp_path):
 def test_postgres_schema_matches_models(pg_database):
     assert current_revision(pg_database) == "0001"
     assert schema_diff(pg_database) == []
+
+
+def test_cli_db_upgrade(tmp_path, capsys):
+    from gateway.cli import main
+
+    assert main(["db", "upgrade", "--data-dir", str(tmp_path / "data")]) == 0
+    assert "latest revision" in capsys.readouterr().out
+    assert current_revision(f"sqlite+aiosqlite:///{tmp_path / 'data' / 'prefixgate.db'}") == "0001"
