@@ -115,3 +115,21 @@ def test_model_without_template_refuses_chat(runtime: ModelRuntime):
     with pytest.raises(TemplateError, match="no chat template"):
         bare.render_chat([{"role": "user", "content": "x"}], None)
     assert bare.encode_prompt("hello")[0] != runtime.bos_token_id
+
+
+def test_hugging_face_template_features():
+    from gateway.model import compile_chat_template
+
+    template = compile_chat_template(
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% if m.role == 'assistant' %}{% generation %}A:{{ m.content }}{% endgeneration %}"
+        "{% else %}U:{{ m.content }}{% endif %}{% endfor %}{{ strftime_now('%Y') | length }}"
+    )
+    text = template.render(
+        messages=[
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+    )
+    assert text == "U:uA:a4"
