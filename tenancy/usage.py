@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
+from sqlalchemy import text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -52,6 +53,8 @@ class UsageWriter:
     ) -> None:
         self._sessionmaker = sessionmaker
         self.spool = spool
+        # Records the database refused (not for being unreachable): kept for an operator, never dropped.
+        self.rejected = UsageSpool(spool.path.with_name(spool.path.stem + ".rejected.jsonl"))
         self._flush_s = flush_s
         self._batch_max = batch_max
         self._pending: list[UsageEvent] = []
@@ -70,13 +73,38 @@ class UsageWriter:
     def pending(self) -> int:
         return len(self._pending)
 
+    async def _database_reachable(self) -> bool:
+        try:
+            async with self._sessionmaker() as session:
+                await session.execute(text("SELECT 1"))
+            return True
+        except Exception:
+            return False
+
+    async def _insert(self, events: list[UsageEvent]) -> None:
+        """Insert a batch; if it fails while the database answers, one record must be bad (a poison pill
+        that would block every later batch): insert one by one and set the bad ones aside, logged."""
+        try:
+            await insert_usage(self._sessionmaker, events)
+        except Exception:
+            if not await self._database_reachable():
+                raise
+            rejected = []
+            for event in events:
+                try:
+                    await insert_usage(self._sessionmaker, [event])
+                except Exception as exc:
+                    log.error("usage record %s rejected by the database: %s", event.request_id, exc)
+                    rejected.append(event)
+            await asyncio.to_thread(self.rejected.append, rejected)
+
     async def flush(self) -> None:
         """Write spooled then pending records; on failure spool the pending ones."""
         async with self._lock:
             batch, self._pending = self._pending, []
             try:
                 await self._replay_spool()
-                await insert_usage(self._sessionmaker, batch)
+                await self._insert(batch)
                 self.num_written += len(batch)
             except Exception as exc:
                 if batch:
@@ -88,7 +116,7 @@ class UsageWriter:
         if self.spool.depth() == 0:
             return
         spooled = await asyncio.to_thread(self.spool.read)
-        await insert_usage(self._sessionmaker, spooled)
+        await self._insert(spooled)
         await asyncio.to_thread(self.spool.clear)
         log.info("replayed %d spooled usage record(s)", len(spooled))
 

@@ -42,7 +42,7 @@ class UsageEvent:
         return {
             "request_id": self.request_id,
             "tenant_id": self.tenant_id,
-            "model": self.model,
+            "model": self.model[:200],  # a client-chosen string: must never make a record unstorable
             "endpoint": self.endpoint,
             "status": self.status,
             "prompt_tokens": self.prompt_tokens,

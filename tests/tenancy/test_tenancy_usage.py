@@ -156,3 +156,16 @@ async def test_report_groups_prices_and_csv(db_url):
     assert csv_text.splitlines()[0].startswith("tenant_id,tenant_name,period_start,requests")
     assert len(csv_text.splitlines()) == 3
     await engine.dispose()
+
+
+async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, tmp_path: Path):
+    engine = create_engine(pg_url)
+    sessionmaker = create_sessionmaker(engine)
+    writer = UsageWriter(sessionmaker, UsageSpool(tmp_path / "spool.jsonl"))
+    writer.submit(event("good-1", model="m" * 500))  # over the column's length: truncated, stored
+    writer.submit(event("poison", prompt_tokens=2**40))  # out of int4 range: PostgreSQL refuses it
+    writer.submit(event("good-2"))
+    await writer.flush()
+    assert await count(sessionmaker) == 2 and writer.spool.depth() == 0
+    assert [e.request_id for e in writer.rejected.read()] == ["poison"]
+    await engine.dispose()
