@@ -79,7 +79,8 @@ def codec_accuracy(
     lossy_kv = kv.clone()
     roundtrip = get_codec(codec)
     blocks = lossy_kv[:full_blocks].cpu()
-    decoded = roundtrip.decode(roundtrip.encode(blocks), tuple(blocks.shape[1:]), dtype)
+    encoded = bytearray(b"".join(roundtrip.encode(blocks)))
+    decoded = roundtrip.decode(encoded, len(blocks), tuple(blocks.shape[1:]), dtype)
     lossy_kv[:full_blocks] = decoded.to(device)
     lossy = _prefill(model, lossy_kv, follow, len(context), block_size)
     # Compare the prediction at the last context position too (it predicts the first new token).

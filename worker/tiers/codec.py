@@ -11,7 +11,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -26,16 +25,22 @@ class Codec(ABC):
         """One payload per block of ``blocks`` [n, L, 2, bs, kvh, hd] (any float dtype, CPU)."""
 
     @abstractmethod
-    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Blocks [n, *shape] in ``dtype`` from their payloads."""
+    def decode(
+        self, data: bytearray | memoryview, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Blocks [num_blocks, *shape] in ``dtype`` from their concatenated payloads (a writable buffer).
+
+        The result may share memory with ``data``.
+        """
 
     @abstractmethod
     def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Encoded size of one block."""
 
 
-def _stack(payloads: list[bytes], dtype: np.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(b"".join(payloads), dtype=dtype).copy())
+def _bytes(data: bytearray | memoryview, num_blocks: int) -> torch.Tensor:
+    """The payload bytes as a [num_blocks, payload] uint8 tensor, without copying."""
+    return torch.frombuffer(data, dtype=torch.uint8).reshape(num_blocks, -1)
 
 
 class NoneCodec(Codec):
@@ -45,8 +50,10 @@ class NoneCodec(Codec):
         raw = blocks.contiguous().view(torch.uint8).reshape(len(blocks), -1).numpy()
         return [row.tobytes() for row in raw]
 
-    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return _stack(payloads, np.uint8).view(dtype).reshape(len(payloads), *shape)
+    def decode(
+        self, data: bytearray | memoryview, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return _bytes(data, num_blocks).view(dtype).reshape(num_blocks, *shape)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -63,17 +70,16 @@ class Fp8Codec(Codec):
         scales = scale.reshape(len(blocks), -1).numpy()
         return [s.tobytes() + row.tobytes() for s, row in zip(scales, q, strict=True)]
 
-    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, data: bytearray | memoryview, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         layers, two, _, kvh, _ = shape
         n_scale = layers * two * kvh
-        raw = _stack(payloads, np.uint8).reshape(len(payloads), -1)
+        raw = _bytes(data, num_blocks)
         scale = (
-            raw[:, : 4 * n_scale]
-            .contiguous()
-            .view(torch.float32)
-            .reshape(len(payloads), layers, two, 1, kvh, 1)
+            raw[:, : 4 * n_scale].contiguous().view(torch.float32).reshape(num_blocks, layers, two, 1, kvh, 1)
         )
-        q = raw[:, 4 * n_scale :].contiguous().view(torch.float8_e4m3fn).reshape(len(payloads), *shape)
+        q = raw[:, 4 * n_scale :].contiguous().view(torch.float8_e4m3fn).reshape(num_blocks, *shape)
         return (q.float() * scale).to(dtype)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -102,12 +108,14 @@ class Int4Codec(Codec):
         scales = scale.reshape(n, -1).numpy()
         return [s.tobytes() + row.tobytes() for s, row in zip(scales, packed, strict=True)]
 
-    def decode(self, payloads: list[bytes], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = len(payloads)
+    def decode(
+        self, data: bytearray | memoryview, num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        n = num_blocks
         hd = shape[-1]
         groups = self._groups(hd)
         n_scale = math.prod(shape[:-1]) * groups
-        raw = _stack(payloads, np.uint8).reshape(n, -1)
+        raw = _bytes(data, n)
         scale = raw[:, : 2 * n_scale].contiguous().view(torch.float16).float()
         packed = raw[:, 2 * n_scale :]
         q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, -1).to(torch.int16) - 8

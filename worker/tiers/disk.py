@@ -28,7 +28,7 @@ import torch
 from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.hashing import BlockHash
 from worker.tiers.codec import get_codec
-from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payload
+from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
 
 log = logging.getLogger("prefixgate.worker.disk")
@@ -193,8 +193,11 @@ class DiskTier:
         return found
 
     # ---- reads ---------------------------------------------------------------------------------
-    def read(self, file_id: int, positions: Sequence[int]) -> tuple[list[BlockRecord], torch.Tensor]:
-        """Decode blocks ``positions`` of one file. Raises CorruptEntry (and deletes the file) on damage."""
+    def read(self, file_id: int, first: int, count: int) -> tuple[list[BlockRecord], torch.Tensor]:
+        """Decode blocks ``first … first+count-1`` of one file.
+
+        Raises CorruptEntry (after deleting the file) when it is damaged.
+        """
         with self._lock:
             info = self.files.get(file_id)
             if info is None:
@@ -202,11 +205,14 @@ class DiskTier:
             if file_id in self.policy:
                 self.policy.on_hit(BlockId(file_id), time.monotonic())
         try:
-            data = info.path.read_bytes()
+            data = bytearray(info.num_bytes)
+            with info.path.open("rb", buffering=0) as handle:
+                if handle.readinto(data) != info.num_bytes or handle.read(1):
+                    raise CorruptEntry("file size changed")
             header = decode_header(data, fingerprint=self.fingerprint)
-            if len(data) != header.total_bytes or header.namespace_id != info.namespace_id:
+            if header.total_bytes != len(data) or header.namespace_id != info.namespace_id:
                 raise CorruptEntry("truncated or misplaced file")
-            payloads = [payload(data, header, p) for p in positions]
+            region = payloads(data, header, first, count)
         except (CorruptEntry, OSError) as exc:
             log.warning("deleting damaged KV file %s: %s", info.path, exc)
             with self._lock:
@@ -214,10 +220,10 @@ class DiskTier:
                     self._drop(file_id)
                 self.counters["corrupt_deleted_total"] += 1
             raise CorruptEntry(str(exc)) from None
-        blocks = self.codec.decode(payloads, self.block_shape, self.dtype)
-        self.counters["blocks_read_total"] += len(positions)
+        blocks = self.codec.decode(region, count, self.block_shape, self.dtype)
+        self.counters["blocks_read_total"] += count
         self.counters["bytes_read_total"] += len(data)
-        return [header.blocks[p] for p in positions], blocks
+        return list(header.blocks[first : first + count]), blocks
 
     # ---- writes --------------------------------------------------------------------------------
     @property

@@ -139,12 +139,15 @@ def decode_header(data: bytes | memoryview, *, fingerprint: bytes | None = None)
     return header
 
 
-def payload(data: bytes | memoryview, header: EntryHeader, index: int) -> bytes:
-    """Block ``index``'s verified payload."""
-    start = header.payload_start + header.offsets[index]
-    chunk = bytes(data[start : start + header.lengths[index]])
-    if len(chunk) != header.lengths[index]:
+def payloads(data: bytes | bytearray | memoryview, header: EntryHeader, first: int, count: int) -> memoryview:
+    """The verified payloads of blocks ``first … first+count-1``, one contiguous view (no copy)."""
+    view = memoryview(data)
+    start = header.payload_start + header.offsets[first]
+    end = header.payload_start + header.offsets[first + count - 1] + header.lengths[first + count - 1]
+    if end > len(view):
         raise CorruptEntry("truncated entry payload")
-    if _digest(chunk) != header.checksums[index]:
-        raise CorruptEntry("entry payload checksum mismatch")
-    return chunk
+    for index in range(first, first + count):
+        at = header.payload_start + header.offsets[index]
+        if _digest(view[at : at + header.lengths[index]]) != header.checksums[index]:
+            raise CorruptEntry("entry payload checksum mismatch")
+    return view[start:end]

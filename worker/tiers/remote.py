@@ -20,7 +20,7 @@ import torch
 
 from policies.hashing import BlockHash
 from worker.tiers.codec import get_codec
-from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payload
+from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
 
 log = logging.getLogger("prefixgate.worker.remote")
@@ -136,7 +136,7 @@ class RemoteTier:
     ) -> tuple[list[BlockRecord], torch.Tensor | None]:
         """The longest run of ``hashes`` stored remotely, decoded; ([], None) on a miss or an error."""
         records: list[BlockRecord] = []
-        payloads: list[bytes] = []
+        chunks: list[bytes] = []
         if not self.available:
             return records, None
         try:
@@ -162,7 +162,7 @@ class RemoteTier:
                             or record.token_ids != tuple(token_blocks[k])
                         ):
                             raise CorruptEntry("entry does not match its key")
-                        payloads.append(payload(value, header, 0))
+                        chunks.append(bytes(payloads(value, header, 0, 1)))
                     except CorruptEntry as exc:
                         log.warning("dropping damaged remote KV entry %s: %s", keys[offset], exc)
                         self.client.delete(keys[offset])
@@ -184,7 +184,9 @@ class RemoteTier:
         if not records:
             return records, None
         self.counters["blocks_read_total"] += len(records)
-        return records, self.codec.decode(payloads, self.block_shape, self.dtype)
+        return records, self.codec.decode(
+            bytearray(b"".join(chunks)), len(records), self.block_shape, self.dtype
+        )
 
     def purge(self, namespace_id: str) -> int:
         """Delete every block of ``namespace_id`` of this model; returns how many."""

@@ -243,7 +243,8 @@ class TieredStore:
                 self.gated["l3"] += len(found)
                 return None
             for file_id, position in found:
-                if plan.disk_reads and plan.disk_reads[-1][0] == file_id:
+                last = plan.disk_reads[-1] if plan.disk_reads else None
+                if last is not None and last[0] == file_id and last[1][-1] + 1 == position:
                     plan.disk_reads[-1][1].append(position)
                 else:
                     plan.disk_reads.append((file_id, [position]))
@@ -265,7 +266,7 @@ class TieredStore:
             if self.disk is not None:
                 for file_id, positions in plan.disk_reads:
                     t0 = time.perf_counter()
-                    got, data = self.disk.read(file_id, positions)
+                    got, data = self.disk.read(file_id, positions[0], len(positions))
                     payload = len(positions) * self.disk.block_payload_bytes
                     self.bandwidth["l3"].record(payload, time.perf_counter() - t0)
                     records += got

@@ -12,6 +12,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
+def contiguous_runs(sources: list[int], targets: list[int]) -> list[tuple[int, int, int]]:
+    """Pair lists as (source start, target start, length) runs where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(sources, targets, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
 class Transfer:
     """One batch of block copies in flight."""
 
@@ -61,22 +72,22 @@ class Copier:
         self._pool = None if self.cuda else ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def copy_in(self, source: torch.Tensor, slots: list[int], block_ids: list[int]) -> Transfer:
-        """Copy ``source[slots]`` (host) into ``kv_cache[block_ids]`` (device)."""
+        """Copy ``source[slots]`` (host) into ``kv_cache[block_ids]`` (device), in contiguous runs."""
         num_bytes = len(slots) * source[0].numel() * source.element_size()
-        src_index = torch.tensor(slots, dtype=torch.long)
-        dst_index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        runs = contiguous_runs(slots, block_ids)
         if self._stream is not None:
-            staged = source.index_select(0, src_index).pin_memory()
             with torch.cuda.stream(self._stream):
-                self.kv_cache.index_copy_(0, dst_index, staged.to(self.kv_cache.device, non_blocking=True))
+                for src, dst, n in runs:
+                    self.kv_cache[dst : dst + n].copy_(source[src : src + n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            return Transfer(num_bytes, event=event, keepalive=staged)
+            return Transfer(num_bytes, event=event, keepalive=source)
         assert self._pool is not None
-        return Transfer(num_bytes, future=self._pool.submit(self._copy, source, src_index, dst_index))
+        return Transfer(num_bytes, future=self._pool.submit(self._copy, source, runs))
 
-    def _copy(self, source: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
-        self.kv_cache.index_copy_(0, dst_index, source.index_select(0, src_index))
+    def _copy(self, source: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+        for src, dst, n in runs:
+            self.kv_cache[dst : dst + n].copy_(source[src : src + n])
 
     def copy_out(self, block_id: int) -> torch.Tensor:
         """A CPU copy of one device block (synchronous: the block is reused right after)."""
