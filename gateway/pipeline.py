@@ -37,18 +37,31 @@ class PromptStep(Protocol):
     def apply(self, tenant: TenantPolicy, request: ChatRequest) -> ChatRequest: ...
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RenderedPrompt:
+    """A request's prompt as the worker will see it."""
+
+    request: ChatRequest | CompletionRequest  # after the prompt steps
+    text: str | None  # the rendered chat template or the completion prompt (None: client sent token ids)
+    token_ids: list[int]
+
+
 class PromotionLookup(Protocol):
-    """Length in tokens (block-aligned) of a promoted global prefix of this prompt (promotion issue)."""
+    """Length in tokens (block-aligned) of a promoted global prefix of this prompt (promotion issue).
+
+    Gets the rendered prompt so it can find message boundaries (``policies.chat_text``) and the
+    boundary prefixes' global-form hashes (``policies.promotion.boundary_prefixes``).
+    """
 
     def promoted_prefix_tokens(
-        self, tenant: TenantPolicy, model: ModelRuntime, token_ids: Sequence[int]
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
     ) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoPromotion:
     def promoted_prefix_tokens(
-        self, tenant: TenantPolicy, model: ModelRuntime, token_ids: Sequence[int]
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
     ) -> int:
         return 0
 
@@ -128,9 +141,11 @@ class RequestPipeline:
             raise Unavailable("no worker is ready yet; retry shortly")
         raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
 
-    def tokenize(
+    def render(
         self, tenant: TenantPolicy, request: ChatRequest | CompletionRequest, model: ModelRuntime
-    ) -> list[int]:
+    ) -> RenderedPrompt:
+        """Prompt steps, chat template, tokenizer: the token ids the worker gets."""
+        text: str | None
         if isinstance(request, ChatRequest):
             for step in self._prompt_steps:
                 request = step.apply(tenant, request)
@@ -140,14 +155,16 @@ class RequestPipeline:
                 raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
             token_ids = model.encode_chat(text)
         elif isinstance(request.prompt, str):
-            token_ids = model.encode_prompt(request.prompt)
+            text = request.prompt
+            token_ids = model.encode_prompt(text)
         else:
+            text = None
             token_ids = list(request.prompt)
             if any(t >= model.vocab_size for t in token_ids):
                 raise InvalidRequest("prompt contains token ids outside the vocabulary", param="prompt")
         if not token_ids:
             raise InvalidRequest("the prompt is empty", param="prompt", code="invalid_value")
-        return token_ids
+        return RenderedPrompt(request=request, text=text, token_ids=token_ids)
 
     def resolve_sampling(
         self, tenant: TenantPolicy, model: ModelRuntime, sampling: SamplingParams, num_prompt_tokens: int
@@ -178,10 +195,10 @@ class RequestPipeline:
         return replace(sampling, max_tokens=requested)
 
     def segments(
-        self, tenant: TenantPolicy, model: ModelRuntime, token_ids: Sequence[int]
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
     ) -> list[NamespaceSegment]:
         """Namespace segments derived server-side from the authenticated tenant only."""
-        promoted = self._promotion.promoted_prefix_tokens(tenant, model, token_ids)
+        promoted = self._promotion.promoted_prefix_tokens(tenant, model, prompt)
         return namespace_segments(
             level=tenant.isolation,
             salt=self._salt,
@@ -221,9 +238,10 @@ class RequestPipeline:
         request_id: str,
     ) -> PreparedRequest:
         model = self.resolve_model(request.model)
-        token_ids = self.tokenize(tenant, request, model)
+        prompt = self.render(tenant, request, model)
+        token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
-        segments = self.segments(tenant, model, token_ids)
+        segments = self.segments(tenant, model, prompt)
         worker_url = self.route(model, token_ids, segments, request.prompt_cache_key)
         return PreparedRequest(
             request_id=request_id,

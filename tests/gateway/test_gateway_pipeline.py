@@ -2,7 +2,7 @@
 
 import aiohttp
 
-from gateway.pipeline import PreparedRequest, RequestPipeline
+from gateway.pipeline import PreparedRequest, RenderedPrompt, RequestPipeline
 from gateway.routing import RendezvousRouter
 from gateway.schemas import SamplingParams
 from gateway.workers import WorkerPool
@@ -22,7 +22,7 @@ async def pipeline() -> tuple[RequestPipeline, aiohttp.ClientSession]:
 
 async def test_segments_per_isolation_level():
     pipe, session = await pipeline()
-    ids = list(range(100))
+    ids = RenderedPrompt(request=None, text=None, token_ids=list(range(100)))
     namespace = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", reserved_blocks=9), None, ids)
     assert len(namespace) == 1 and namespace[0].reserved_blocks == 0  # quotas are for dedicated only
     assert namespace[0].namespace_id == tenant_namespace_id(SALT, "tn_a")
@@ -58,7 +58,7 @@ async def test_worker_payload_carries_segments_and_sampling():
         tenant=tenant,
         model=None,
         prompt_token_ids=[1, 2, 3],
-        segments=pipe.segments(tenant, None, [1, 2, 3]),
+        segments=pipe.segments(tenant, None, RenderedPrompt(request=None, text=None, token_ids=[1, 2, 3])),
         sampling=sampling,
         stream=True,
         include_usage=True,
