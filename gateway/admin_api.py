@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from datetime import UTC, date, datetime
 from typing import Any
@@ -229,7 +230,19 @@ async def usage_report_handler(request: web.Request) -> web.Response:
 
 
 async def workers_status(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": request.config_dict[WORKER_POOL].status()})
+    """Each worker's health as the gateway sees it, plus its live ``/v1/stats`` (null if unreachable)."""
+    pool = request.config_dict[WORKER_POOL]
+
+    async def stats(url: str) -> dict[str, Any] | None:
+        try:
+            return await pool.client(url).stats()
+        except Exception:
+            return None
+
+    rows = pool.status()
+    live = await asyncio.gather(*(stats(row["url"]) for row in rows))
+    data = [{**row, "stats": worker_stats} for row, worker_stats in zip(rows, live, strict=True)]
+    return web.json_response({"object": "list", "data": data})
 
 
 def create_admin_app() -> web.Application:

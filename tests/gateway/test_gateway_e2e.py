@@ -296,3 +296,4 @@ async def test_prefix_affinity_across_two_workers(
         )
     workers = (await (await gateway.get("/admin/v1/workers", headers=ADMIN)).json())["data"]
     assert all(w["healthy"] for w in workers) and len(workers) == 2
+    assert all(w["stats"]["num_blocks_total"] == 4096 for w in workers)
