@@ -71,8 +71,22 @@ class ApiKey(Base):
     tenant: Mapped[Tenant] = relationship(back_populates="keys", lazy="raise_on_sql")
 
 
+class PolicyVersion(Base):
+    """One row, bumped by every admin change: the marker replicas poll to reload tenant policies.
+
+    Not the audit log's max id: with concurrent transactions ids are not assigned in commit order, so a
+    change could commit below a max id a replica has already seen. The row lock of this update orders
+    admin changes by commit instead.
+    """
+
+    __tablename__ = "policy_version"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    version: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), default=0)
+
+
 class AuditLog(Base):
-    """One row per admin change; its growing id is also the replicas' policy change marker."""
+    """One row per admin change."""
 
     __tablename__ = "audit_log"
 

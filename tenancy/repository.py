@@ -1,6 +1,5 @@
-"""Async repository of tenants and keys. Every change writes an audit row in the same transaction.
-
-The audit row's id doubles as the change marker that gateway replicas poll to reload policies.
+"""Async repository of tenants and keys. Every change writes an audit row in the same transaction
+and bumps the single-row policy version that gateway replicas poll to reload policies.
 """
 
 from __future__ import annotations
@@ -10,12 +9,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.keys import hash_api_key, key_display_prefix, new_api_key, new_id
-from tenancy.models import ApiKey, AuditLog, Tenant
+from tenancy.models import ApiKey, AuditLog, PolicyVersion, Tenant
 from tenancy.policy import TenantPolicy, validate_policy_fields
 
 
@@ -72,7 +71,12 @@ class TenantRepository:
         self._sessionmaker = sessionmaker
         self._actor = actor
 
-    def _audit(self, session: AsyncSession, action: str, tenant_id: str | None, details: dict) -> None:
+    async def _audit(self, session: AsyncSession, action: str, tenant_id: str | None, details: dict) -> None:
+        """Log the change and bump the policy version (its row lock orders concurrent admin changes, so
+        the version grows in commit order and a replica that saw version v has every change up to v)."""
+        await session.execute(
+            update(PolicyVersion).where(PolicyVersion.id == 1).values(version=PolicyVersion.version + 1)
+        )
         session.add(
             AuditLog(at=_now(), actor=self._actor, action=action, tenant_id=tenant_id, details=details)
         )
@@ -106,7 +110,9 @@ class TenantRepository:
             session.add(tenant)
             await self._flush_or_conflict(session, values["name"])
             new_key = self._add_key(session, tenant.id)
-            self._audit(session, "tenant.create", tenant.id, {"fields": values, "key_id": new_key.info.id})
+            await self._audit(
+                session, "tenant.create", tenant.id, {"fields": values, "key_id": new_key.info.id}
+            )
             await session.commit()
         return TenantPolicy.from_row(tenant), new_key
 
@@ -140,7 +146,7 @@ class TenantRepository:
                 setattr(row, name, value)
             row.updated_at = _now()
             await self._flush_or_conflict(session, values.get("name"))
-            self._audit(session, "tenant.update", tenant_id, {"fields": values})
+            await self._audit(session, "tenant.update", tenant_id, {"fields": values})
             await session.commit()
         return TenantPolicy.from_row(row)
 
@@ -148,7 +154,7 @@ class TenantRepository:
         async with self._sessionmaker() as session:
             row = await self._get_row(session, tenant_id)
             await session.delete(row)
-            self._audit(session, "tenant.delete", tenant_id, {"name": row.name})
+            await self._audit(session, "tenant.delete", tenant_id, {"name": row.name})
             await session.commit()
 
     async def invalidate(self, tenant_id: str) -> int:
@@ -159,7 +165,7 @@ class TenantRepository:
                 update(Tenant).where(Tenant.id == tenant_id).values(epoch=Tenant.epoch + 1, updated_at=_now())
             )
             epoch = await session.scalar(select(Tenant.epoch).where(Tenant.id == tenant_id))
-            self._audit(session, "tenant.invalidate", tenant_id, {"epoch": epoch})
+            await self._audit(session, "tenant.invalidate", tenant_id, {"epoch": epoch})
             await session.commit()
         return int(epoch or 0)
 
@@ -185,7 +191,9 @@ class TenantRepository:
                     revoked.append(key.id)
             new_key = self._add_key(session, tenant_id)
             action = "key.rotate" if revoke_others else "key.create"
-            self._audit(session, action, tenant_id, {"key_id": new_key.info.id, "revoked_key_ids": revoked})
+            await self._audit(
+                session, action, tenant_id, {"key_id": new_key.info.id, "revoked_key_ids": revoked}
+            )
             await session.commit()
         return new_key
 
@@ -196,7 +204,7 @@ class TenantRepository:
                 raise NotFound(f"key {key_id!r} of tenant {tenant_id!r} not found")
             if key.revoked_at is None:
                 key.revoked_at = _now()
-                self._audit(session, "key.revoke", tenant_id, {"key_id": key_id})
+                await self._audit(session, "key.revoke", tenant_id, {"key_id": key_id})
             await session.commit()
             return _key_info(key)
 
@@ -208,14 +216,17 @@ class TenantRepository:
             return list((await session.scalars(query)).all())
 
     async def change_marker(self) -> int:
-        """The id of the latest admin change (0 when none): replicas reload when it moves."""
+        """The policy version: replicas reload when it moves."""
         async with self._sessionmaker() as session:
-            return int(await session.scalar(select(func.coalesce(func.max(AuditLog.id), 0))) or 0)
+            return int(await session.scalar(select(PolicyVersion.version).where(PolicyVersion.id == 1)) or 0)
 
     async def load_snapshot(self) -> PolicySnapshot:
         """All tenants and live keys, read in one transaction together with the change marker."""
         async with self._sessionmaker() as session, session.begin():
-            marker = int(await session.scalar(select(func.coalesce(func.max(AuditLog.id), 0))) or 0)
+            # The version is read first: a change committed after it only causes one extra reload.
+            marker = int(
+                await session.scalar(select(PolicyVersion.version).where(PolicyVersion.id == 1)) or 0
+            )
             tenants = {row.id: TenantPolicy.from_row(row) for row in await session.scalars(select(Tenant))}
             keys = await session.execute(
                 select(ApiKey.key_hash, ApiKey.tenant_id).where(ApiKey.revoked_at.is_(None))

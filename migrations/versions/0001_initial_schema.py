@@ -18,6 +18,13 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    policy_version = op.create_table(
+        "policy_version",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("version", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_policy_version")),
+    )
+    op.bulk_insert(policy_version, [{"id": 1, "version": 0}])
     op.create_table(
         "audit_log",
         sa.Column(
@@ -96,6 +103,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_table("policy_version")
     op.drop_index(op.f("ix_api_keys_tenant_id"), table_name="api_keys")
     op.drop_table("api_keys")
     op.drop_index("ix_usage_records_hour", table_name="usage_records")

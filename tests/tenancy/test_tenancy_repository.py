@@ -111,3 +111,27 @@ async def test_invalidate_bumps_epoch(repo):
     assert (await repo.get_tenant(policy.tenant_id))[0].epoch == 2
     with pytest.raises(NotFound):
         await repo.invalidate("tn_missing")
+
+
+async def test_policy_version_follows_commit_order(pg_url):
+    """A second admin change waits for the first to commit, so replicas never skip a change."""
+    import asyncio
+
+    from sqlalchemy import update
+
+    from tenancy.models import PolicyVersion
+
+    engine = create_engine(pg_url)
+    sessionmaker = create_sessionmaker(engine)
+    repo = TenantRepository(sessionmaker)
+    policy, _ = await repo.create_tenant({"name": "acme"})
+    before = await repo.change_marker()
+    async with sessionmaker() as in_flight:
+        await in_flight.execute(update(PolicyVersion).values(version=PolicyVersion.version + 1))
+        second = asyncio.create_task(repo.update_tenant(policy.tenant_id, {"isolation": "shared"}))
+        await asyncio.sleep(0.3)
+        assert not second.done() and await repo.change_marker() == before
+        await in_flight.commit()
+    await second
+    assert await repo.change_marker() == before + 2
+    await engine.dispose()
