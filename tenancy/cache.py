@@ -1,7 +1,7 @@
 """In-memory policy cache: the hot path authenticates and reads policy without touching SQL.
 
-Each replica polls the audit log's latest id (one indexed ``max()``) every ``refresh_s`` and reloads the
-whole snapshot when it moved, so an admin change made on any replica reaches all within
+Each replica polls the one-row policy version (bumped by every admin change) every ``refresh_s`` and
+reloads the whole snapshot when it moved, so an admin change made on any replica reaches all within
 ``refresh_s`` plus one reload.
 """
 
