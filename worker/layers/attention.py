@@ -26,6 +26,7 @@ class PrefillSpan:
     query_len: int  # tokens in the chunk
     context_len: int  # tokens of context after the chunk is written (cached prefix + chunk)
     block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids, long
+    mask: torch.Tensor | None = None  # additive causal mask [query_len, context_len], built once per step
 
 
 @dataclass(slots=True)
@@ -118,13 +119,24 @@ class PagedAttention(nn.Module):
             values = (
                 kv[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[: span.context_len].transpose(0, 1)
             )
-            offset = span.context_len - span.query_len
-            rows = torch.arange(span.query_len, device=q.device)[:, None] + offset
-            mask, causal = torch.arange(span.context_len, device=q.device)[None, :] <= rows, False
+            if span.mask is None:  # shared by every layer of the step
+                offset = span.context_len - span.query_len
+                rows = torch.arange(span.query_len, device=q.device)[:, None] + offset
+                allowed = torch.arange(span.context_len, device=q.device)[None, :] <= rows
+                span.mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~allowed, float("-inf")
+                )
+            mask, causal = span.mask, False
+        # A leading batch dimension selects PyTorch's fast CPU kernels (3-D inputs are several times slower).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Cache-free causal attention over [B, T, hidden] (training and reference checks)."""

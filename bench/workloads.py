@@ -1,0 +1,193 @@
+"""Synthetic multi-tenant prompt workloads, written in the Mooncake JSONL trace format.
+
+A request's prompt is built the way chat applications build theirs, so its blocks form prefix chains:
+
+    [system prompt: the tenant's own, or a public template] [RAG document?] [earlier turns] [new message]
+
+- ``num_tenants`` tenants with Zipf-distributed traffic; each has its own system prompts and RAG
+  documents, picked with Zipf popularity. A few public prompts (templates everyone uses) are shared
+  across tenants: their blocks get the same ids whichever tenant sends them.
+- Conversations are multi-turn sessions: turn ``k``'s prompt is turn ``k - 1``'s prompt plus its answer
+  plus a new user message. Sessions start as a Poisson process; turns follow after a think time.
+- Block ids are chained the way the worker hashes prefixes: a block's id is determined by its parent's
+  id and its own content, so equal ids at the same position mean equal prefixes.
+
+``python -m bench.workloads --out FILE`` writes a trace; ``generate_workload`` returns the requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+from collections.abc import Hashable
+from dataclasses import dataclass, fields
+
+from bench.trace import TraceRequest, num_unique_blocks, write_trace
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkloadSpec:
+    """Shape of a synthetic workload. Every count is per workload unless it says per tenant."""
+
+    num_tenants: int = 8
+    num_requests: int = 4000
+    seed: int = 0
+    block_tokens: int = 512  # tokens per hash id (Mooncake traces use 512)
+    session_rate_per_s: float = 2.0  # Poisson arrivals of new sessions
+    tenant_zipf: float = 1.0  # skew of traffic across tenants
+    system_prompts_per_tenant: int = 4
+    system_prompt_blocks: tuple[int, int] = (2, 12)  # min, max blocks
+    public_prompts: int = 3  # templates shared by every tenant
+    public_prompt_share: float = 0.3  # fraction of sessions that use a public template
+    public_prompt_blocks: tuple[int, int] = (4, 16)
+    documents_per_tenant: int = 200
+    document_blocks: tuple[int, int] = (8, 64)
+    document_share: float = 0.6  # fraction of sessions that attach a RAG document
+    popularity_zipf: float = 1.1  # skew of system prompt and document popularity within a tenant
+    mean_turns: float = 3.0  # turns per session (geometric)
+    mean_think_s: float = 40.0  # time between a session's turns (exponential)
+    message_blocks: tuple[int, int] = (1, 4)  # new user message per turn
+    answer_blocks: tuple[int, int] = (0, 3)  # assistant answer kept in the next turn's prompt
+
+
+class _ChainIds:
+    """Block ids of a prefix tree: one id per (parent id, block content)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, Hashable], int] = {}
+
+    def extend(self, parent: int, contents: list[Hashable], out: list[int]) -> int:
+        for content in contents:
+            parent = self._ids.setdefault((parent, content), len(self._ids))
+            out.append(parent)
+        return parent
+
+
+class _Zipf:
+    """Draws ``0 … n-1`` with probability proportional to ``1 / (rank + 1) ** exponent``."""
+
+    def __init__(self, n: int, exponent: float, rng: random.Random) -> None:
+        self._rng = rng
+        self._items = list(range(n))
+        rng.shuffle(self._items)  # popularity rank is not the index
+        self._cum_weights = list(itertools.accumulate(1.0 / (rank + 1) ** exponent for rank in range(n)))
+
+    def draw(self) -> int:
+        return self._rng.choices(self._items, cum_weights=self._cum_weights)[0]
+
+
+@dataclass(slots=True)
+class _Session:
+    """One conversation: its fixed head and the turns so far."""
+
+    tenant: int
+    session_id: int
+    head: list[tuple[Hashable, ...]]  # block contents of system prompt + document
+    turns_left: int
+    history: list[tuple[Hashable, ...]]  # block contents of earlier messages and answers
+
+
+def _span(rng: random.Random, bounds: tuple[int, int]) -> int:
+    return rng.randint(bounds[0], bounds[1])
+
+
+def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
+    """Requests of the workload in arrival order, with tenant names ``t0 … t{n-1}``."""
+    rng = random.Random(spec.seed)
+    tenants = _Zipf(spec.num_tenants, spec.tenant_zipf, rng)
+    system_picks = [
+        _Zipf(spec.system_prompts_per_tenant, spec.popularity_zipf, rng) for _ in range(spec.num_tenants)
+    ]
+    document_picks = [
+        _Zipf(spec.documents_per_tenant, spec.popularity_zipf, rng) for _ in range(spec.num_tenants)
+    ]
+    public_pick = _Zipf(max(spec.public_prompts, 1), spec.popularity_zipf, rng)
+    lengths: dict[Hashable, int] = {}
+
+    def length_of(key: Hashable, bounds: tuple[int, int]) -> int:
+        if key not in lengths:
+            lengths[key] = _span(rng, bounds)
+        return lengths[key]
+
+    def new_session(session_id: int) -> _Session:
+        tenant = tenants.draw()
+        if spec.public_prompts and rng.random() < spec.public_prompt_share:
+            key: tuple[Hashable, ...] = ("public", public_pick.draw())
+            head = [(*key, i) for i in range(length_of(key, spec.public_prompt_blocks))]
+        else:
+            key = ("system", tenant, system_picks[tenant].draw())
+            head = [(*key, i) for i in range(length_of(key, spec.system_prompt_blocks))]
+        if rng.random() < spec.document_share:
+            key = ("document", tenant, document_picks[tenant].draw())
+            head += [(*key, i) for i in range(length_of(key, spec.document_blocks))]
+        turns = 1
+        while rng.random() > 1.0 / spec.mean_turns:
+            turns += 1
+        return _Session(tenant=tenant, session_id=session_id, head=head, turns_left=turns, history=[])
+
+    chains = _ChainIds()
+    requests: list[TraceRequest] = []
+    pending: list[tuple[float, int, _Session]] = []  # (next turn time, tie-break, session)
+    next_session_s = 0.0
+    num_sessions = 0
+    while len(requests) < spec.num_requests:
+        if not pending or next_session_s <= pending[0][0]:
+            session = new_session(num_sessions)
+            heapq.heappush(pending, (next_session_s, num_sessions, session))
+            num_sessions += 1
+            next_session_s += rng.expovariate(spec.session_rate_per_s)
+            continue
+        now_s, tie, session = heapq.heappop(pending)
+        turn = len(requests)
+        message = [("message", session.session_id, turn, i) for i in range(_span(rng, spec.message_blocks))]
+        hash_ids: list[int] = []
+        chains.extend(-1, [*session.head, *session.history, *message], hash_ids)
+        answer = [("answer", session.session_id, turn, i) for i in range(_span(rng, spec.answer_blocks))]
+        requests.append(
+            TraceRequest(
+                timestamp_ms=round(now_s * 1000.0, 3),
+                hash_ids=tuple(hash_ids),
+                tenant=f"t{session.tenant}",
+                input_length=len(hash_ids) * spec.block_tokens - rng.randrange(spec.block_tokens),
+                output_length=max(len(answer), 1) * spec.block_tokens - rng.randrange(spec.block_tokens),
+            )
+        )
+        session.history += message + answer
+        session.turns_left -= 1
+        if session.turns_left > 0:
+            heapq.heappush(pending, (now_s + rng.expovariate(1.0 / spec.mean_think_s), tie, session))
+    return requests
+
+
+def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, str]:
+    parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSONL file to write")
+    defaults = WorkloadSpec()
+    for field in fields(WorkloadSpec):
+        default = getattr(defaults, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, tuple):
+            parser.add_argument(flag, type=int, nargs=2, default=default, metavar=("MIN", "MAX"))
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    spec = WorkloadSpec(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
+    return spec, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    spec, out = _parse_args(argv)
+    requests = generate_workload(spec)
+    write_trace(out, requests)
+    num_blocks = sum(len(r.hash_ids) for r in requests)
+    print(
+        f"wrote {len(requests)} requests, {num_blocks} blocks, {num_unique_blocks(requests)} unique, "
+        f"{spec.num_tenants} tenants to {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The eviction protocol: what a cache owner tells a policy, and what a policy answers.
+
+A policy tracks the blocks resident in one cache (one tier's pool, or the simulator's cache) and, when
+asked, names a victim. The owner of the blocks decides which blocks may go at all (blocks in use by a
+running request, or blocks that still have cached children, are not evictable) and passes that as the
+``can_evict`` predicate; the policy picks among the rest by its own order.
+
+Call sequence for one block access, as the owner makes it:
+
+- hit: ``on_hit(block_id, now)``;
+- miss: ``on_miss(block_id, now)`` (optional for owners; ghost-based policies use it to see the
+  block's history before the evictions that make room for it), then ``evict(can_evict)`` as many times
+  as room is needed, then ``on_insert(block_id, meta, now)`` once the block holds its data.
+
+Policies import nothing of ours beyond ``policies``: they are pure, deterministic and do no I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, NewType
+
+BlockId = NewType("BlockId", int)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockMeta:
+    """What a policy may know about a block when it enters the cache."""
+
+    position: int  # index of the block within its prompt (0: the first block)
+    parent: BlockId | None  # the block before it in the prefix chain, None for a first block
+    namespace_id: str = ""  # owner tag; policies may group by it, never leak it
+    request_blocks: int = 0  # full blocks in the prompt that brought the block in (0: unknown)
+
+
+class EvictionPolicy(ABC):
+    """Order of eviction for the resident blocks of one cache.
+
+    Invariants: a block is tracked from ``on_insert`` until it is returned by ``evict`` or passed to
+    ``on_remove``; ``evict`` only returns tracked blocks for which ``can_evict`` is true, and forgets
+    the block it returns. ``capacity_blocks`` is the size of the cache the policy orders; policies with
+    internal queues or ghost lists size them from it.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+
+    @abstractmethod
+    def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+        """A block was admitted to the cache (after a miss)."""
+
+    @abstractmethod
+    def on_hit(self, block_id: BlockId, now: float) -> None:
+        """A resident block was reused."""
+
+    def on_miss(self, block_id: BlockId, now: float) -> None:  # noqa: B027 - optional hook, no-op default
+        """A lookup for ``block_id`` missed; called before the evictions that make room for it.
+
+        Optional: an owner that never calls it still gets a working policy, since ``on_insert`` does the
+        same bookkeeping when no ``on_miss`` came first.
+        """
+
+    @abstractmethod
+    def on_remove(self, block_id: BlockId) -> None:
+        """A resident block left the cache for a reason other than ``evict`` (purge, stranded)."""
+
+    @abstractmethod
+    def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+        """Choose, forget and return a victim, or None if no tracked block may be evicted."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked blocks."""
+
+    def __contains__(self, block_id: object) -> bool:  # pragma: no cover - overridden where cheap
+        raise NotImplementedError

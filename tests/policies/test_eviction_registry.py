@@ -1,0 +1,48 @@
+"""The registry: names, the default, and the public names of policies.eviction."""
+
+import pytest
+
+from policies.eviction import (
+    DEFAULT_POLICY,
+    POLICIES,
+    ARCPolicy,
+    BlockId,
+    BlockMeta,
+    EvictionPolicy,
+    LRUPolicy,
+    PrefixAwarePolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
+
+
+def test_registry_holds_every_policy_by_its_name():
+    assert dict(POLICIES) == {
+        "lru": LRUPolicy,
+        "s3fifo": S3FIFOPolicy,
+        "arc": ARCPolicy,
+        "prefix": PrefixAwarePolicy,
+    }
+
+
+def test_default_is_the_prefix_aware_policy():
+    assert DEFAULT_POLICY == "prefix"
+    policy = make_policy("default", 100)
+    assert isinstance(policy, PrefixAwarePolicy)
+    assert policy.capacity_blocks == 100
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_make_policy_builds_a_fresh_empty_policy(name):
+    policy = make_policy(name, 64)
+    assert isinstance(policy, EvictionPolicy)
+    assert len(policy) == 0
+    assert BlockId(1) not in policy
+    assert policy.evict(lambda block_id: True) is None
+    policy.on_insert(BlockId(1), BlockMeta(position=0, parent=None), 0.0)
+    assert BlockId(1) in policy and len(policy) == 1
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="arc, lru, prefix, s3fifo"):
+        make_policy("mru", 10)
