@@ -22,6 +22,7 @@ log = logging.getLogger("prefixgate")
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step otherwise
 
 
 def free_port() -> int:
