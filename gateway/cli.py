@@ -1,22 +1,246 @@
-"""`prefixgate` command line (the gateway issue grows it into `up`, `gateway`, `tenant`, `report` …)."""
+"""`prefixgate` command line: up, gateway, worker, db upgrade, tenant …, report …, workers, diagnose.
+
+The admin commands talk to a running gateway's admin API (``--url`` / ``$PREFIXGATE_URL``, token from
+``--admin-token`` / ``$PREFIXGATE_ADMIN_TOKEN`` / the data dir's ``admin_token`` file).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from gateway.admin_client import AdminClient, AdminError
+
+POLICY_OPTIONS = {
+    # option -> (field, type)
+    "--isolation": ("isolation", str),
+    "--reserved-blocks": ("reserved_blocks", int),
+    "--canonicalization": ("canonicalization", str),
+    "--price-input-per-mtok": ("price_input_per_mtok", float),
+    "--price-cached-input-per-mtok": ("price_cached_input_per_mtok", float),
+    "--price-output-per-mtok": ("price_output_per_mtok", float),
+    "--max-tokens-limit": ("max_tokens_limit", int),
+    "--rate-limit-rpm": ("rate_limit_rpm", int),
+}
+
+
+def _add_policy_options(parser: argparse.ArgumentParser) -> None:
+    for option, (field, kind) in POLICY_OPTIONS.items():
+        parser.add_argument(option, dest=field, type=kind, default=None)
+    parser.add_argument(
+        "--share-hot-prefixes", dest="share_hot_prefixes", action=argparse.BooleanOptionalAction, default=None
+    )
+
+
+def _policy_body(args: argparse.Namespace) -> dict[str, Any]:
+    fields = [field for field, _ in POLICY_OPTIONS.values()] + ["share_hot_prefixes"]
+    return {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+
+
+def _server_options(parser: argparse.ArgumentParser, *, port: int = 8080) -> None:
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None, help=f"default {port}")
+    parser.add_argument("--data-dir", default=None, help="default ./data")
+    parser.add_argument("--config", default=None, help="TOML config file (default $PREFIXGATE_CONFIG)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="embedded default: migrations, one bundled worker, gateway, demo tenant")
+    _server_options(up)
+    up.add_argument("--model", default="builtin", help="worker model: builtin, random-tiny or a directory")
+    up.add_argument("--worker-port", type=int, default=None, help="default: a free port")
+
+    gw = sub.add_parser("gateway", help="run the gateway against running workers")
+    _server_options(gw)
+    gw.add_argument(
+        "--worker-url",
+        action="append",
+        dest="worker_urls",
+        default=None,
+        help="worker base URL (repeatable; default $PREFIXGATE_WORKER_URLS)",
+    )
+    gw.add_argument("--database-url", default=None)
+
+    sub.add_parser("worker", help="run the bundled worker (python -m worker …)", add_help=False)
+
+    db = sub.add_parser("db", help="database commands")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="run the migrations to the latest revision")
+    upgrade.add_argument("--database-url", default=None)
+    upgrade.add_argument("--data-dir", default=None)
+    upgrade.add_argument("--config", default=None)
+
+    admin_parent = argparse.ArgumentParser(add_help=False)
+    admin_parent.add_argument("--url", default=None, help="gateway URL (default $PREFIXGATE_URL or :8080)")
+    admin_parent.add_argument("--admin-token", default=None)
+    admin_parent.add_argument("--data-dir", default=None, help="where to find admin_token")
+
+    tenant = sub.add_parser("tenant", help="manage tenants through the admin API")
+    t_sub = tenant.add_subparsers(dest="tenant_command", required=True)
+    create = t_sub.add_parser("create", parents=[admin_parent])
+    create.add_argument("name")
+    _add_policy_options(create)
+    t_sub.add_parser("list", parents=[admin_parent])
+    for name in ("get", "delete", "invalidate", "keys", "add-key", "rotate-key"):
+        t_sub.add_parser(name, parents=[admin_parent]).add_argument("tenant", help="tenant id or name")
+    update = t_sub.add_parser("update", parents=[admin_parent])
+    update.add_argument("tenant", help="tenant id or name")
+    update.add_argument("--name", dest="new_name", default=None)
+    _add_policy_options(update)
+    revoke = t_sub.add_parser("revoke-key", parents=[admin_parent])
+    revoke.add_argument("tenant", help="tenant id or name")
+    revoke.add_argument("key_id")
+    audit = t_sub.add_parser("audit", parents=[admin_parent])
+    audit.add_argument("--tenant", default=None)
+    audit.add_argument("--limit", type=int, default=None)
+
+    report = sub.add_parser("report", help="usage reports through the admin API")
+    r_sub = report.add_subparsers(dest="report_command", required=True)
+    usage = r_sub.add_parser("usage", parents=[admin_parent])
+    usage.add_argument("--tenant", default=None, help="tenant id or name")
+    usage.add_argument("--start", default=None)
+    usage.add_argument("--end", default=None)
+    usage.add_argument("--granularity", choices=["hour", "day"], default="day")
+    usage.add_argument("--format", choices=["json", "csv"], default="json")
+
+    sub.add_parser("workers", parents=[admin_parent], help="worker pool health")
+    sub.add_parser("diagnose", parents=[admin_parent], help="check the gateway, its database and workers")
+    return parser
+
+
+def _admin_client(args: argparse.Namespace) -> AdminClient:
+    url = args.url or os.environ.get("PREFIXGATE_URL") or "http://127.0.0.1:8080"
+    token = args.admin_token or os.environ.get("PREFIXGATE_ADMIN_TOKEN")
+    if not token:
+        token_file = Path(args.data_dir or os.environ.get("PREFIXGATE_DATA_DIR") or "data") / "admin_token"
+        if token_file.exists():
+            token = token_file.read_text().strip()
+    if not token:
+        raise AdminError(0, "no admin token: pass --admin-token or set PREFIXGATE_ADMIN_TOKEN")
+    return AdminClient(url, token)
+
+
+def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
+    command = args.tenant_command
+    if command == "create":
+        return client.request("POST", "/tenants", {"name": args.name, **_policy_body(args)})
+    if command == "list":
+        return client.request("GET", "/tenants")
+    if command == "audit":
+        tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+        return client.request("GET", "/audit", query={"tenant_id": tenant_id, "limit": args.limit})
+    tenant_id = client.resolve_tenant(args.tenant)
+    path = f"/tenants/{tenant_id}"
+    if command == "update":
+        body = _policy_body(args) | ({"name": args.new_name} if args.new_name else {})
+        return client.request("PATCH", path, body)
+    simple = {
+        "get": ("GET", path),
+        "delete": ("DELETE", path),
+        "invalidate": ("POST", path + "/invalidate"),
+        "keys": ("GET", path + "/keys"),
+        "add-key": ("POST", path + "/keys"),
+        "rotate-key": ("POST", path + "/keys/rotate"),
+    }
+    if command in simple:
+        return client.request(*simple[command])
+    return client.request("POST", f"{path}/keys/{args.key_id}/revoke")
+
+
+def _diagnose(client: AdminClient) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(client.base_url + "/healthz", timeout=5) as response:
+            health = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        health = json.loads(exc.read() or b"{}")
+    return {
+        "healthz": health,
+        "workers": client.request("GET", "/workers")["data"],
+        "tenants": len(client.request("GET", "/tenants")["data"]),
+    }
+
+
+def _print(result: Any) -> None:
+    print(
+        result if isinstance(result, str) else json.dumps(result, indent=2),
+        end="" if isinstance(result, str) else "\n",
+    )
+
+
+def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "worker_urls": getattr(args, "worker_urls", None),
+        "database_url": getattr(args, "database_url", None),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in {"-h", "--help"}:
-        print("usage: prefixgate {up,worker} [options]")
-        return 0
-    command, rest = args[0], args[1:]
-    if command in {"worker", "up"}:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["worker"]:
         # The worker runs in its own process (it imports torch; the gateway never does).
-        os.execvp(sys.executable, [sys.executable, "-m", "worker", *rest])
-    print(f"prefixgate: unknown command {command!r}", file=sys.stderr)
-    return 2
+        os.execvp(sys.executable, [sys.executable, "-m", "worker", *args_list[1:]])
+    args = build_parser().parse_args(args_list)
+    from gateway.config import load_config
+
+    try:
+        if args.command == "up":
+            from gateway.up import run_up
+
+            config = load_config(config_file=args.config, overrides=_server_overrides(args))
+            return run_up(config, model=args.model, worker_port=args.worker_port)
+        if args.command == "gateway":
+            from gateway.up import run_gateway
+
+            return run_gateway(load_config(config_file=args.config, overrides=_server_overrides(args)))
+        if args.command == "db":
+            from migrations import upgrade_database
+
+            config = load_config(
+                config_file=args.config,
+                overrides={"data_dir": args.data_dir, "database_url": args.database_url},
+            )
+            config.data_dir.mkdir(parents=True, exist_ok=True)
+            upgrade_database(config.resolved_database_url)
+            print("database is at the latest revision")
+            return 0
+        client = _admin_client(args)
+        if args.command == "tenant":
+            _print(_tenant_command(client, args))
+        elif args.command == "report":
+            tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+            _print(
+                client.request(
+                    "GET",
+                    "/reports/usage",
+                    query={
+                        "tenant_id": tenant_id,
+                        "start": args.start,
+                        "end": args.end,
+                        "granularity": args.granularity,
+                        "format": args.format,
+                    },
+                )
+            )
+        elif args.command == "workers":
+            _print(client.request("GET", "/workers"))
+        elif args.command == "diagnose":
+            _print(_diagnose(client))
+        return 0
+    except AdminError as exc:
+        print(f"prefixgate: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""``python -m gateway …`` is ``prefixgate …``."""
+
+from gateway.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,265 @@
+"""Admin API under /admin/v1/ (a sub-application with its own bearer-token middleware)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from datetime import UTC, date, datetime
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidRequest,
+    NotFoundError,
+    PermissionDenied,
+)
+from gateway.openai_api import bearer_token
+from gateway.schemas import read_json
+from gateway.state import CONFIG, POLICY_CACHE, REPOSITORY, SESSIONMAKER, WORKER_POOL
+from policies.isolation import tenant_namespace_id
+from tenancy.keys import tokens_equal
+from tenancy.policy import PolicyError, TenantPolicy
+from tenancy.reports import GRANULARITY_HOURS, Prices, report_to_csv, report_totals, usage_report
+from tenancy.repository import Conflict, KeyInfo, NewKey, NotFound
+
+
+@web.middleware
+async def admin_auth_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    expected = request.config_dict[CONFIG].admin_token
+    if not expected:
+        raise PermissionDenied("the admin API is disabled: set PREFIXGATE_ADMIN_TOKEN")
+    given = bearer_token(request)
+    if given is None or not tokens_equal(given, expected):
+        raise AuthenticationError("invalid admin token", code="invalid_admin_token")
+    try:
+        return await handler(request)
+    except PolicyError as exc:
+        raise InvalidRequest(str(exc), param=exc.param, code="invalid_value") from exc
+    except NotFound as exc:
+        raise NotFoundError(str(exc), code="not_found") from exc
+    except Conflict as exc:
+        raise ConflictError(str(exc), code="conflict") from exc
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat()
+
+
+def _tenant_json(
+    request: web.Request, policy: TenantPolicy, created_at: datetime | None = None
+) -> dict[str, Any]:
+    salt = request.config_dict[CONFIG].salt_bytes
+    body = {"id": policy.tenant_id, "object": "tenant", **asdict(policy)}
+    del body["tenant_id"]
+    body["namespace_id"] = tenant_namespace_id(salt, policy.tenant_id)
+    if created_at is not None:
+        body["created_at"] = _iso(created_at)
+    return body
+
+
+def _key_json(info: KeyInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "object": "api_key",
+        "tenant_id": info.tenant_id,
+        "key_prefix": info.key_prefix,
+        "created_at": _iso(info.created_at),
+        "revoked_at": _iso(info.revoked_at),
+        "revoked": info.revoked_at is not None,
+    }
+
+
+def _new_key_json(new_key: NewKey) -> dict[str, Any]:
+    return {**_key_json(new_key.info), "api_key": new_key.api_key}
+
+
+async def _changed(request: web.Request) -> None:
+    """Apply an admin change on this replica at once (others pick it up within policy_refresh_s)."""
+    await request.config_dict[POLICY_CACHE].reload()
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    body = await read_json(await request.read())
+    policy, new_key = await request.config_dict[REPOSITORY].create_tenant(body)
+    await _changed(request)
+    tenant = _tenant_json(request, policy)
+    return web.json_response({**tenant, "api_key": new_key.api_key, "key_id": new_key.info.id}, status=201)
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    tenants = await request.config_dict[REPOSITORY].list_tenants()
+    return web.json_response({"object": "list", "data": [_tenant_json(request, p, at) for p, at in tenants]})
+
+
+async def get_tenant(request: web.Request) -> web.Response:
+    policy, created_at = await request.config_dict[REPOSITORY].get_tenant(request.match_info["tenant_id"])
+    return web.json_response(_tenant_json(request, policy, created_at))
+
+
+async def update_tenant(request: web.Request) -> web.Response:
+    body = await read_json(await request.read())
+    policy = await request.config_dict[REPOSITORY].update_tenant(request.match_info["tenant_id"], body)
+    await _changed(request)
+    return web.json_response(_tenant_json(request, policy))
+
+
+async def delete_tenant(request: web.Request) -> web.Response:
+    tenant_id = request.match_info["tenant_id"]
+    await request.config_dict[REPOSITORY].delete_tenant(tenant_id)
+    await _changed(request)
+    return web.json_response({"id": tenant_id, "object": "tenant", "deleted": True})
+
+
+async def invalidate_tenant(request: web.Request) -> web.Response:
+    tenant_id = request.match_info["tenant_id"]
+    epoch = await request.config_dict[REPOSITORY].invalidate(tenant_id)
+    await _changed(request)
+    return web.json_response({"id": tenant_id, "object": "tenant", "epoch": epoch, "invalidated": True})
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    keys = await request.config_dict[REPOSITORY].list_keys(request.match_info["tenant_id"])
+    return web.json_response({"object": "list", "data": [_key_json(key) for key in keys]})
+
+
+async def create_key(request: web.Request) -> web.Response:
+    new_key = await request.config_dict[REPOSITORY].create_key(
+        request.match_info["tenant_id"], revoke_others=False
+    )
+    await _changed(request)
+    return web.json_response(_new_key_json(new_key), status=201)
+
+
+async def rotate_key(request: web.Request) -> web.Response:
+    new_key = await request.config_dict[REPOSITORY].create_key(
+        request.match_info["tenant_id"], revoke_others=True
+    )
+    await _changed(request)
+    return web.json_response(_new_key_json(new_key), status=201)
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    info = await request.config_dict[REPOSITORY].revoke_key(
+        request.match_info["tenant_id"], request.match_info["key_id"]
+    )
+    await _changed(request)
+    return web.json_response(_key_json(info))
+
+
+async def audit_log(request: web.Request) -> web.Response:
+    limit = _int_query(request, "limit", 100)
+    rows = await request.config_dict[REPOSITORY].audit_log(
+        tenant_id=request.query.get("tenant_id"), limit=limit
+    )
+    data = [
+        {
+            "id": row.id,
+            "at": _iso(row.at),
+            "actor": row.actor,
+            "action": row.action,
+            "tenant_id": row.tenant_id,
+            "details": row.details,
+        }
+        for row in rows
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+def _int_query(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return max(1, min(int(raw), 10_000))
+    except ValueError:
+        raise InvalidRequest(f"'{name}' must be an integer", param=name) from None
+
+
+def _time_query(request: web.Request, name: str) -> datetime | None:
+    raw = request.query.get(name)
+    if not raw:
+        return None
+    try:
+        moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            moment = datetime.combine(date.fromisoformat(raw), datetime.min.time())
+        except ValueError:
+            raise InvalidRequest(f"'{name}' must be an ISO 8601 date or time", param=name) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+async def usage_report_handler(request: web.Request) -> web.Response:
+    granularity = request.query.get("granularity", "day")
+    if granularity not in GRANULARITY_HOURS:
+        raise InvalidRequest("'granularity' must be 'hour' or 'day'", param="granularity")
+    output = request.query.get("format", "json")
+    if output not in ("json", "csv"):
+        raise InvalidRequest("'format' must be 'json' or 'csv'", param="format")
+    config = request.config_dict[CONFIG]
+    start, end = _time_query(request, "start"), _time_query(request, "end")
+    rows = await usage_report(
+        request.config_dict[SESSIONMAKER],
+        default_prices=Prices(
+            input_per_mtok=config.price_input_per_mtok,
+            cached_input_per_mtok=config.price_cached_input_per_mtok,
+            output_per_mtok=config.price_output_per_mtok,
+        ),
+        tenant_id=request.query.get("tenant_id") or None,
+        start=start,
+        end=end,
+        granularity=granularity,
+    )
+    if output == "csv":
+        return web.Response(text=report_to_csv(rows), content_type="text/csv")
+    return web.json_response(
+        {
+            "object": "usage_report",
+            "granularity": granularity,
+            "start": _iso(start),
+            "end": _iso(end),
+            "data": [asdict(row) for row in rows],
+            "totals": report_totals(rows),
+        }
+    )
+
+
+async def workers_status(request: web.Request) -> web.Response:
+    """Each worker's health as the gateway sees it, plus its live ``/v1/stats`` (null if unreachable)."""
+    pool = request.config_dict[WORKER_POOL]
+
+    async def stats(url: str) -> dict[str, Any] | None:
+        try:
+            return await pool.client(url).stats()
+        except Exception:
+            return None
+
+    rows = pool.status()
+    live = await asyncio.gather(*(stats(row["url"]) for row in rows))
+    data = [{**row, "stats": worker_stats} for row, worker_stats in zip(rows, live, strict=True)]
+    return web.json_response({"object": "list", "data": data})
+
+
+def create_admin_app() -> web.Application:
+    admin = web.Application(middlewares=[admin_auth_middleware])
+    r = admin.router
+    r.add_post("/tenants", create_tenant)
+    r.add_get("/tenants", list_tenants)
+    r.add_get("/tenants/{tenant_id}", get_tenant)
+    r.add_patch("/tenants/{tenant_id}", update_tenant)
+    r.add_delete("/tenants/{tenant_id}", delete_tenant)
+    r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant)
+    r.add_get("/tenants/{tenant_id}/keys", list_keys)
+    r.add_post("/tenants/{tenant_id}/keys", create_key)
+    r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key)
+    r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key)
+    r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key)
+    r.add_get("/audit", audit_log)
+    r.add_get("/reports/usage", usage_report_handler)
+    r.add_get("/workers", workers_status)
+    return admin

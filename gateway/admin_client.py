@@ -1,0 +1,60 @@
+"""A small synchronous client of the admin API, used by the ``prefixgate tenant|report`` commands."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+
+class AdminError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class AdminClient:
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._timeout_s = timeout_s
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None
+    ) -> Any:
+        """JSON (or text for non-JSON answers) of ``method /admin/v1{path}``; raises AdminError."""
+        url = f"{self.base_url}/admin/v1{path}"
+        params = {key: value for key, value in (query or {}).items() if value is not None}
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self._token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout_s) as response:
+                payload = response.read().decode()
+                if response.headers.get_content_type() == "application/json":
+                    return json.loads(payload)
+                return payload
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                message = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = text or exc.reason
+            raise AdminError(exc.code, message) from None
+        except urllib.error.URLError as exc:
+            raise AdminError(0, f"cannot reach {self.base_url}: {exc.reason}") from None
+
+    def resolve_tenant(self, ref: str) -> str:
+        """A tenant id from an id or a name."""
+        if ref.startswith("tn_"):
+            return ref
+        for tenant in self.request("GET", "/tenants")["data"]:
+            if tenant["name"] == ref:
+                return tenant["id"]
+        raise AdminError(404, f"no tenant named {ref!r}")

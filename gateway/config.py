@@ -1,0 +1,127 @@
+"""Gateway configuration: defaults < TOML file < ``PREFIXGATE_*`` environment < command-line flags.
+
+``load_config`` only reads; ``prepare_data_dir`` creates the data dir and generates (and stores, mode
+0600) the namespace salt and the admin token when none is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PREFIXGATE_"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    data_dir: Path = Path("data")
+    database_url: str | None = None  # None: SQLite file in the data dir
+    worker_urls: tuple[str, ...] = ("http://127.0.0.1:8081",)
+    admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
+    namespace_salt: str | None = field(default=None, repr=False)  # None: generated in the data dir
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 512  # when a request gives none (capped by the context window)
+    policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
+    usage_flush_s: float = 0.5
+    usage_batch_max: int = 512
+    usage_spool_path: Path | None = None  # None: usage-spool.jsonl in the data dir
+    redis_url: str | None = None  # shared rate-limit counters between replicas (None: per replica)
+    router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
+    affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
+    worker_health_interval_s: float = 2.0
+    worker_timeout_s: float = 600.0
+    price_input_per_mtok: float = 1.0  # defaults for tenants without their own prices
+    price_cached_input_per_mtok: float = 0.1
+    price_output_per_mtok: float = 2.0
+    log_level: str = "INFO"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{(self.data_dir / 'prefixgate.db').resolve()}"
+
+    @property
+    def resolved_spool_path(self) -> Path:
+        return self.usage_spool_path or self.data_dir / "usage-spool.jsonl"
+
+    @property
+    def salt_bytes(self) -> bytes:
+        if not self.namespace_salt:
+            raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
+        return self.namespace_salt.encode()
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(GatewayConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    default = _FIELDS[name].default
+    if name == "worker_urls":
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return tuple(item.strip().rstrip("/") for item in items if item.strip())
+    if name in {"data_dir", "usage_spool_path"}:
+        return None if value in (None, "") else Path(value)
+    if isinstance(default, bool):
+        return value if isinstance(value, bool) else str(value).lower() in {"1", "true", "yes", "on"}
+    if isinstance(default, int):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return None if value == "" else value
+
+
+def load_config(
+    *,
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> GatewayConfig:
+    """Build the config. ``config_file`` defaults to ``$PREFIXGATE_CONFIG``; ``overrides`` (CLI flags)
+    win, and None values in them are ignored."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+        data = data.get("gateway", data)
+        unknown = set(data) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown config key(s) in {path}: {', '.join(sorted(unknown))}")
+        values.update({name: _coerce(name, value) for name, value in data.items()})
+    for name in _FIELDS:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = _coerce(name, raw)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _coerce(name, value)
+    return GatewayConfig(**values)
+
+
+def _read_or_create_secret(path: Path, nbytes: int) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    value = secrets.token_urlsafe(nbytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+    return value
+
+
+def prepare_data_dir(config: GatewayConfig, *, generate_admin_token: bool = True) -> GatewayConfig:
+    """Create the data dir; fill in a stored salt and admin token when the config gives none."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    changes: dict[str, Any] = {}
+    if not config.namespace_salt:
+        changes["namespace_salt"] = _read_or_create_secret(config.data_dir / "namespace_salt", 32)
+    if not config.admin_token and generate_admin_token:
+        changes["admin_token"] = _read_or_create_secret(config.data_dir / "admin_token", 24)
+    return dataclasses.replace(config, **changes) if changes else config

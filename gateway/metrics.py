@@ -1,0 +1,61 @@
+"""Prometheus metrics on a per-app registry (no global registry state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+OVERHEAD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "prefixgate_requests", "Tenant API requests", ["tenant", "endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("prefixgate_prompt_tokens", "Prompt tokens", ["tenant"], registry=r)
+        self.cached_tokens = Counter(
+            "prefixgate_cached_tokens", "Prompt tokens served from cache", ["tenant", "tier"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "prefixgate_completion_tokens", "Completion tokens", ["tenant"], registry=r
+        )
+        self.saved_prefill_seconds = Counter(
+            "prefixgate_saved_prefill_seconds",
+            "Estimated prefill time saved by cache hits",
+            ["tenant"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "prefixgate_request_duration_seconds",
+            "Request latency (to the last byte)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prepare_latency = Histogram(
+            "prefixgate_prepare_duration_seconds",
+            "Gateway work before the worker call (render, tokenize, hash, route)",
+            ["endpoint"],
+            buckets=OVERHEAD_BUCKETS_S,
+            registry=r,
+        )
+        self.auth_failures = Counter("prefixgate_auth_failures", "Rejected tenant API keys", registry=r)
+        self.spool_depth = Gauge(
+            "prefixgate_usage_spool_depth", "Usage records waiting in the spool", registry=r
+        )
+        self.usage_pending = Gauge(
+            "prefixgate_usage_pending", "Usage records waiting for the next batch write", registry=r
+        )
+        self.workers_healthy = Gauge("prefixgate_workers_healthy", "Healthy workers", registry=r)
+        self.policy_age = Gauge(
+            "prefixgate_policy_snapshot_age_seconds",
+            "Seconds since the policy cache was last checked",
+            registry=r,
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

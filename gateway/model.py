@@ -1,0 +1,151 @@
+"""A served model as the gateway sees it: the worker's tokenizer and chat template, compiled once.
+
+Built from the worker's ``GET /v1/info`` so that rendering, tokenizing and hashing match the worker
+exactly. No torch here: the `tokenizers` library is Rust, Jinja renders the template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (e.g. ``raise_exception('roles must alternate')``)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Hugging Face's tojson: no HTML escaping (unlike Jinja's built-in), non-ASCII kept.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}…{% endgeneration %}`` (transformers marks assistant spans): render the body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a Hugging Face chat template in a sandbox (templates come from model files)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelInfo:
+    """The fields of a worker's ``/v1/info`` that the gateway uses."""
+
+    model_id: str
+    model_fingerprint: str  # hex
+    block_size: int
+    max_model_len: int
+    tokenizer_json: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+    prefill_tokens_per_s: float | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelInfo:
+        return cls(
+            model_id=str(data["model_id"]),
+            model_fingerprint=str(data["model_fingerprint"]),
+            block_size=int(data["block_size"]),
+            max_model_len=int(data["max_model_len"]),
+            tokenizer_json=data["tokenizer_json"],
+            chat_template=data.get("chat_template"),
+            bos_token=data.get("bos_token"),
+            eos_token=data.get("eos_token"),
+            add_bos_token=bool(data.get("add_bos_token", False)),
+            prefill_tokens_per_s=data.get("prefill_tokens_per_s"),
+        )
+
+
+class ModelRuntime:
+    """Renders and tokenizes prompts for one model exactly as its workers expect."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self.model_id = info.model_id
+        self.block_size = info.block_size
+        self.max_model_len = info.max_model_len
+        self.fingerprint = bytes.fromhex(info.model_fingerprint)
+        self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self._template = compile_chat_template(info.chat_template) if info.chat_template else None
+        self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> str:
+        """The prompt text of a conversation, ending with the assistant's generation prompt."""
+        if self._template is None:
+            raise TemplateError(f"model {self.model_id!r} has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                bos_token=self.info.bos_token or "",
+                eos_token=self.info.eos_token or "",
+            )
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt, with the BOS token when the model wants one."""
+        return self.with_bos(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def with_bos(self, token_ids: list[int]) -> list[int]:
+        if self.info.add_bos_token and self.bos_token_id is not None and token_ids[:1] != [self.bos_token_id]:
+            return [self.bos_token_id, *token_ids]
+        return token_ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)

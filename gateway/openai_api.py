@@ -1,0 +1,208 @@
+"""Tenant API: OpenAI-compatible routes. Handlers parse, call the pipeline, serialize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway import openai_format
+from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
+from gateway.pipeline import PreparedRequest, new_request_id
+from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
+from gateway.state import METRICS, PIPELINE, POLICY_CACHE, RATE_LIMITER, USAGE_WRITER, WORKER_POOL
+from tenancy.policy import TenantPolicy
+from tenancy.usage_types import UsageEvent
+
+STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def authenticate(request: web.Request) -> TenantPolicy:
+    cache = request.config_dict[POLICY_CACHE]
+    token = bearer_token(request)
+    if token is None:
+        request.config_dict[METRICS].auth_failures.inc()
+        raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+    if not cache.ready:
+        raise Unavailable("tenant policies are not loaded yet (database unreachable?); retry shortly")
+    tenant = cache.authenticate(token)
+    if tenant is None:
+        request.config_dict[METRICS].auth_failures.inc()
+        raise AuthenticationError("Incorrect or revoked API key provided.")
+    return tenant
+
+
+@dataclass(slots=True)
+class TenantCall:
+    """What one tenant request did, for its usage record and metrics."""
+
+    tenant: TenantPolicy
+    endpoint: str
+    request_id: str
+    model: str = ""
+    status: int = 200
+    num_prompt_tokens: int = 0  # known before the worker answers
+    usage: dict[str, Any] | None = None  # the worker's usage, when it answered
+
+
+@contextlib.asynccontextmanager
+async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[TenantCall]:
+    tenant = authenticate(request)
+    call = TenantCall(tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint))
+    started = time.perf_counter()
+    try:
+        if not await request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
+            raise RateLimited(f"rate limit of {tenant.rate_limit_rpm} requests per minute reached")
+        yield call
+    except APIError as exc:
+        call.status = exc.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        call.status = STATUS_CLIENT_CLOSED
+        raise
+    except Exception:
+        call.status = 500
+        raise
+    finally:
+        _record(request, call, time.perf_counter() - started)
+
+
+def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
+    usage = call.usage or {}
+    by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
+    event = UsageEvent(
+        request_id=call.request_id,
+        tenant_id=call.tenant.tenant_id,
+        model=call.model,
+        endpoint=call.endpoint,
+        status=call.status,
+        prompt_tokens=int(usage.get("prompt_tokens", call.num_prompt_tokens)),
+        cached_tokens=int(usage.get("cached_tokens", 0)),
+        cached_tokens_by_tier=by_tier,
+        completion_tokens=int(usage.get("completion_tokens", 0)),
+        prefill_ms=float(usage.get("prefill_ms", 0.0)),
+        saved_prefill_ms=float(usage.get("estimated_saved_prefill_ms", 0.0)),
+    )
+    request.config_dict[USAGE_WRITER].submit(event)
+    metrics, tenant = request.config_dict[METRICS], call.tenant.tenant_id
+    metrics.requests.labels(tenant, call.endpoint, str(call.status)).inc()
+    metrics.latency.labels(call.endpoint).observe(elapsed_s)
+    metrics.prompt_tokens.labels(tenant).inc(event.prompt_tokens)
+    metrics.completion_tokens.labels(tenant).inc(event.completion_tokens)
+    metrics.saved_prefill_seconds.labels(tenant).inc(event.saved_prefill_ms / 1000)
+    for tier, count in by_tier.items():
+        metrics.cached_tokens.labels(tenant, tier).inc(count)
+
+
+Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]
+
+
+async def _serve(
+    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
+) -> web.StreamResponse:
+    pipeline = request.config_dict[PIPELINE]
+    call.model = parsed.model
+    started = time.perf_counter()
+    prepared = pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
+    request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
+    call.num_prompt_tokens = len(prepared.prompt_token_ids)
+    if prepared.stream:
+        return await _stream(request, call, prepared)
+    result = await pipeline.generate(prepared)
+    call.usage = result.get("usage")
+    return openai_format.json_response(formatter(prepared, result))
+
+
+async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
+    writer = openai_format.ChunkWriter(prepared)
+    async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
+        event = await anext(events, None)  # errors before the first token are plain HTTP errors
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        first = writer.first()
+        if first is not None:
+            await response.write(first)
+        try:
+            while event is not None:
+                if event.get("text"):  # the final event may carry the last token's text too
+                    await response.write(writer.delta(event["text"]))
+                if event.get("type") == "final":
+                    call.usage = event.get("usage") or {}
+                    await response.write(writer.final(event.get("finish_reason", "stop"), call.usage))
+                event = await anext(events, None)
+        except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
+            call.status = exc.status
+            await response.write(writer.error(exc.to_json()))
+        await response.write(writer.done())
+        await response.write_eof()
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    async with tenant_call(request, "chat.completions") as call:
+        parsed = parse_chat(await read_json(await request.read()))
+        return await _serve(request, call, parsed, openai_format.chat_completion)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    async with tenant_call(request, "completions") as call:
+        parsed = parse_completion(await read_json(await request.read()))
+        return await _serve(request, call, parsed, openai_format.completion)
+
+
+def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefixgate",
+        "max_model_len": max_model_len,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    authenticate(request)
+    models = request.config_dict[WORKER_POOL].models
+    data = [_model_json(model_id, group.runtime.max_model_len) for model_id, group in sorted(models.items())]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    authenticate(request)
+    model = request.config_dict[PIPELINE].resolve_model(request.match_info["model"])
+    return web.json_response(_model_json(model.model_id, model.max_model_len))
+
+
+async def healthz(request: web.Request) -> web.Response:
+    pool, cache = request.config_dict[WORKER_POOL], request.config_dict[POLICY_CACHE]
+    healthy = sum(state.healthy for state in pool.workers.values())
+    ready = healthy > 0 and cache.ready
+    body = {
+        "status": "ok" if ready else "starting",
+        "workers_healthy": healthy,
+        "workers_total": len(pool.workers),
+        "policies_loaded": cache.ready,
+        "models": sorted(pool.models),
+    }
+    return web.json_response(body, status=200 if ready else 503)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/healthz", healthz)

@@ -1,0 +1,28 @@
+"""Typed application state keys (no module globals: everything lives on the app)."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import RequestPipeline
+from gateway.ratelimit import RateLimiter
+from gateway.workers import WorkerPool
+from tenancy.cache import PolicyCache
+from tenancy.repository import TenantRepository
+from tenancy.usage import UsageWriter
+
+CONFIG = web.AppKey("config", GatewayConfig)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+RATE_LIMITER = web.AppKey("rate_limiter", RateLimiter)  # type: ignore[type-abstract]
+ENGINE = web.AppKey("engine", AsyncEngine)
+SESSIONMAKER = web.AppKey("sessionmaker", async_sessionmaker[AsyncSession])
+REPOSITORY = web.AppKey("repository", TenantRepository)
+POLICY_CACHE = web.AppKey("policy_cache", PolicyCache)
+USAGE_WRITER = web.AppKey("usage_writer", UsageWriter)
+HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
+WORKER_POOL = web.AppKey("worker_pool", WorkerPool)
+PIPELINE = web.AppKey("pipeline", RequestPipeline)

@@ -1,0 +1,188 @@
+"""Running the gateway: ``prefixgate gateway`` and the embedded default ``prefixgate up``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, prepare_data_dir
+from gateway.state import POLICY_CACHE, REPOSITORY, WORKER_POOL
+
+log = logging.getLogger("prefixgate")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per migration step otherwise
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def run_gateway(config: GatewayConfig) -> int:
+    """Serve the gateway until SIGINT/SIGTERM (migrations are ``prefixgate db upgrade``'s job)."""
+    _setup_logging(config.log_level)
+    config = prepare_data_dir(config)
+
+    async def main() -> None:
+        stop = _stop_event()
+        runner = await _serve(create_app(config), config)
+        log.info(
+            "gateway listening on http://%s:%d (workers: %s)",
+            config.host,
+            config.port,
+            ", ".join(config.worker_urls),
+        )
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(main())
+    return 0
+
+
+def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_token_from_env: bool) -> str:
+    base = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
+    key = api_key or "$PREFIXGATE_API_KEY"
+    lines = ["", f"prefixgate is up: {base}/v1  (model {model_id!r}, data in {config.data_dir.resolve()})"]
+    if api_key:
+        lines.append(f"  demo tenant API key (shown once): {api_key}")
+    else:
+        lines.append("  demo tenant exists; get a fresh key with: prefixgate tenant rotate-key demo")
+    if not admin_token_from_env:
+        lines.append(f"  admin token (stored in {config.data_dir / 'admin_token'}): {config.admin_token}")
+    lines += [
+        "",
+        "Try it with curl:",
+        f"  curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' \\",
+        "    -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        '"max_tokens": 32}\'',
+        "",
+        "or with the openai SDK:",
+        "  from openai import OpenAI",
+        f"  client = OpenAI(base_url='{base}/v1', api_key='{key}')",
+        f"  reply = client.chat.completions.create(model='{model_id}', "
+        "messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32)",
+        "  print(reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens)",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+async def _stop_worker(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), 15)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+async def _wait_ready(
+    app: web.Application, process: asyncio.subprocess.Process, stop: asyncio.Event
+) -> str | None:
+    """The served model id once the worker is healthy; None if the worker died or we were stopped."""
+    pool = app[WORKER_POOL]
+    while not stop.is_set() and process.returncode is None:
+        if pool.models:
+            return next(iter(pool.models))
+        await asyncio.sleep(0.2)
+    return None
+
+
+def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | None = None) -> int:
+    """Embedded default: SQLite in the data dir, one bundled worker process, the gateway, a demo tenant."""
+    from migrations import upgrade_database
+
+    _setup_logging(config.log_level)
+    admin_token_from_env = bool(config.admin_token)
+    config = prepare_data_dir(config)
+    upgrade_database(config.resolved_database_url)
+    worker_port = worker_port or free_port()
+    config = dataclasses.replace(config, worker_urls=(f"http://127.0.0.1:{worker_port}",))
+
+    async def main() -> int:
+        stop = _stop_event()
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(worker_port),
+            "--model",
+            model,
+            "--data-dir",
+            str(config.data_dir / "worker"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        app = create_app(config)
+        runner = await _serve(app, config)
+        try:
+            log.info(
+                "gateway on http://%s:%d; waiting for the worker (pid %d) to load its model",
+                config.host,
+                config.port,
+                worker.pid,
+            )
+            model_id = await _wait_ready(app, worker, stop)
+            if model_id is None:
+                if worker.returncode is not None:
+                    log.error("the worker exited with status %s", worker.returncode)
+                    return 1
+                return 0
+            repo = app[REPOSITORY]
+            api_key = None
+            if await repo.find_by_name("demo") is None:
+                _, new_key = await repo.create_tenant({"name": "demo"})
+                api_key = new_key.api_key
+                await app[POLICY_CACHE].reload()
+            print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
+            waiter = asyncio.create_task(worker.wait())
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (waiter, stopper):
+                task.cancel()
+            if worker.returncode is not None and not stop.is_set():
+                log.error("the worker exited with status %s; stopping", worker.returncode)
+                return 1
+            return 0
+        finally:
+            log.info("stopping")
+            await runner.cleanup()
+            await _stop_worker(worker)
+
+    return asyncio.run(main())

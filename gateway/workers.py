@@ -1,0 +1,147 @@
+"""The pool of workers: health checks, model discovery and in-flight accounting.
+
+A background task polls every worker's ``/healthz``; a worker that answers for the first time, or with
+a new ``worker_id`` (it restarted), has its ``/v1/info`` fetched again. Workers are grouped by model;
+a worker whose fingerprint differs from the model's first worker is left out (it would hash differently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from gateway.model import ModelInfo, ModelRuntime
+from gateway.routing import WorkerLoad
+from gateway.upstream import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    client: WorkerClient
+    healthy: bool = False
+    worker_id: str | None = None  # changes when the worker restarts
+    model_id: str | None = None
+    in_flight: int = 0  # requests this gateway has outstanding on it
+    last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+@dataclass(slots=True)
+class ModelGroup:
+    runtime: ModelRuntime
+    worker_urls: list[str] = field(default_factory=list)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        session: aiohttp.ClientSession,
+        *,
+        timeout_s: float = 600.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.workers = {url: WorkerState(WorkerClient(url, session, timeout_s=timeout_s)) for url in urls}
+        self._models: dict[str, ModelGroup] = {}
+        self._on_change = on_change
+
+    @property
+    def models(self) -> dict[str, ModelGroup]:
+        """Models with at least one healthy worker."""
+        return {
+            model_id: group
+            for model_id, group in self._models.items()
+            if any(self.workers[url].healthy for url in group.worker_urls)
+        }
+
+    def model(self, model_id: str) -> ModelRuntime | None:
+        group = self._models.get(model_id)
+        return None if group is None else group.runtime
+
+    def candidates(self, model_id: str) -> list[WorkerLoad]:
+        group = self._models.get(model_id)
+        if group is None:
+            return []
+        return [
+            WorkerLoad(url=url, in_flight=self.workers[url].in_flight)
+            for url in group.worker_urls
+            if self.workers[url].healthy
+        ]
+
+    def client(self, url: str) -> WorkerClient:
+        return self.workers[url].client
+
+    async def check(self, state: WorkerState) -> None:
+        try:
+            health = await state.client.healthz()
+            worker_id = health.get("worker_id")
+            # /healthz may not carry the worker id: re-read /v1/info whenever the worker comes (back) up.
+            restarted = worker_id is not None and worker_id != state.worker_id
+            if state.model_id is None or not state.healthy or restarted:
+                info = await state.client.info()
+                self._attach(state, ModelInfo.from_json(info))
+                state.worker_id = info.get("worker_id")
+            state.healthy = state.model_id is not None
+            state.last_error = None
+        except Exception as exc:
+            if state.healthy:
+                log.warning("worker %s is unhealthy: %s", state.url, exc)
+            state.healthy = False
+            state.last_error = f"{exc.__class__.__name__}: {exc}"
+
+    def _attach(self, state: WorkerState, info: ModelInfo) -> None:
+        group = self._models.get(info.model_id)
+        if group is None:
+            group = self._models[info.model_id] = ModelGroup(runtime=ModelRuntime(info))
+        elif group.runtime.info.model_fingerprint != info.model_fingerprint:
+            if group.worker_urls == [state.url]:
+                group.runtime = ModelRuntime(info)  # the only worker was upgraded
+            else:
+                raise ValueError(f"fingerprint of {info.model_id!r} differs from the other workers'")
+        for other in self._models.values():
+            if state.url in other.worker_urls and other is not group:
+                other.worker_urls.remove(state.url)
+        if state.url not in group.worker_urls:
+            group.worker_urls.append(state.url)
+        state.model_id = info.model_id
+        log.info(
+            "worker %s serves %s (block size %d, context %d)",
+            state.url,
+            info.model_id,
+            info.block_size,
+            info.max_model_len,
+        )
+        if self._on_change is not None:
+            self._on_change()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(state) for state in self.workers.values()))
+
+    async def run(self, interval_s: float) -> None:
+        """Health-check forever; faster while no worker is up (startup)."""
+        while True:
+            await self.check_all()
+            healthy = any(state.healthy for state in self.workers.values())
+            await asyncio.sleep(interval_s if healthy else min(interval_s, 0.2))
+
+    def status(self) -> list[dict]:
+        return [
+            {
+                "url": s.url,
+                "healthy": s.healthy,
+                "worker_id": s.worker_id,
+                "model_id": s.model_id,
+                "in_flight": s.in_flight,
+                "last_error": s.last_error,
+            }
+            for s in self.workers.values()
+        ]

@@ -1,0 +1,71 @@
+"""In-memory policy cache: the hot path authenticates and reads policy without touching SQL.
+
+Each replica polls the one-row policy version (bumped by every admin change) every ``refresh_s`` and
+reloads the whole snapshot when it moved, so an admin change made on any replica reaches all within
+``refresh_s`` plus one reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tenancy.keys import hash_api_key
+from tenancy.policy import TenantPolicy
+from tenancy.repository import PolicySnapshot, TenantRepository
+
+log = logging.getLogger(__name__)
+
+
+class PolicyCache:
+    def __init__(self, repository: TenantRepository, *, refresh_s: float = 0.5) -> None:
+        self._repository = repository
+        self._refresh_s = refresh_s
+        self._snapshot: PolicySnapshot | None = None
+        self.last_refresh_monotonic: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._snapshot is not None
+
+    def authenticate(self, api_key: str) -> TenantPolicy | None:
+        """The policy of the tenant owning this live key, or None (unknown, revoked or not loaded yet)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return None
+        tenant_id = snapshot.key_hash_to_tenant_id.get(hash_api_key(api_key))
+        return None if tenant_id is None else snapshot.tenants.get(tenant_id)
+
+    def get(self, tenant_id: str) -> TenantPolicy | None:
+        snapshot = self._snapshot
+        return None if snapshot is None else snapshot.tenants.get(tenant_id)
+
+    def tenants(self) -> dict[str, TenantPolicy]:
+        snapshot = self._snapshot
+        return {} if snapshot is None else dict(snapshot.tenants)
+
+    async def reload(self) -> None:
+        self._snapshot = await self._repository.load_snapshot()
+        self.last_refresh_monotonic = time.monotonic()
+
+    async def refresh_if_changed(self) -> bool:
+        """Reload when the change marker moved (or nothing is loaded yet). Returns whether it reloaded."""
+        if self._snapshot is not None:
+            marker = await self._repository.change_marker()
+            if marker == self._snapshot.marker:
+                self.last_refresh_monotonic = time.monotonic()
+                return False
+        await self.reload()
+        return True
+
+    async def run(self) -> None:
+        """Poll forever; a database outage keeps the last snapshot serving."""
+        while True:
+            try:
+                await self.refresh_if_changed()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("policy refresh failed, serving the last snapshot: %s", exc)
+            await asyncio.sleep(self._refresh_s)

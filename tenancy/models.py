@@ -1,0 +1,128 @@
+"""SQLAlchemy 2.0 typed ORM: tenants, API keys, the admin audit log and usage records.
+
+Only a SHA-256 hash of an API key is stored. Usage records keep the tenant id as plain text (no
+foreign key) so that billing history survives the deletion of a tenant.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "tn_" + random hex
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    isolation: Mapped[str] = mapped_column(String(20), default="namespace")
+    reserved_blocks: Mapped[int] = mapped_column(Integer, default=0)  # dedicated quota per tier
+    canonicalization: Mapped[str] = mapped_column(String(10), default="report")  # on|report|off
+    share_hot_prefixes: Mapped[bool] = mapped_column(Boolean, default=False)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)  # bumped by `invalidate`: fresh namespace key
+    price_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: default
+    price_cached_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)
+    price_output_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_tokens_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)  # cap on max_tokens
+    rate_limit_rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # per gateway replica
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    keys: Mapped[list[ApiKey]] = relationship(
+        back_populates="tenant", lazy="raise_on_sql", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "key_" + random hex
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret key
+    key_prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys", lazy="raise_on_sql")
+
+
+class PolicyVersion(Base):
+    """One row, bumped by every admin change: the marker replicas poll to reload tenant policies.
+
+    Not the audit log's max id: with concurrent transactions ids are not assigned in commit order, so a
+    change could commit below a max id a replica has already seen. The row lock of this update orders
+    admin changes by commit instead.
+    """
+
+    __tablename__ = "policy_version"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    version: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), default=0)
+
+
+class AuditLog(Base):
+    """One row per admin change."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    actor: Mapped[str] = mapped_column(String(100))
+    action: Mapped[str] = mapped_column(String(50))
+    tenant_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    details: Mapped[dict] = mapped_column(JSON, default=dict)  # never holds keys or tokens
+
+
+class UsageRecord(Base):
+    __tablename__ = "usage_records"
+    __table_args__ = (
+        Index("ix_usage_records_tenant_hour", "tenant_id", "created_hour"),
+        Index("ix_usage_records_hour", "created_hour"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    request_id: Mapped[str] = mapped_column(String(80), unique=True)  # idempotent replay key
+    tenant_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(40))
+    status: Mapped[int] = mapped_column(Integer)  # HTTP status returned to the tenant
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_l1_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_l2_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_l3_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_remote_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    prefill_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    saved_prefill_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping

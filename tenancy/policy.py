@@ -1,0 +1,107 @@
+"""Tenant policy: the frozen snapshot the hot path reads, and validation of admin-supplied fields."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from policies.isolation import DEFAULT_ISOLATION, ISOLATION_LEVELS
+from tenancy.models import Tenant
+
+CANONICALIZATION_MODES = ("on", "report", "off")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TenantPolicy:
+    """Everything a request of one tenant needs, read without SQL."""
+
+    tenant_id: str
+    name: str
+    isolation: str = DEFAULT_ISOLATION  # a key of policies.isolation.ISOLATION_LEVELS
+    reserved_blocks: int = 0  # dedicated quota, forwarded as the segment's reserved_blocks
+    canonicalization: str = "report"  # on|report|off (used by the canonicalization issue)
+    share_hot_prefixes: bool = False  # opt-in to promoted global prefixes (promotion issue)
+    epoch: int = 0
+    price_input_per_mtok: float | None = None
+    price_cached_input_per_mtok: float | None = None
+    price_output_per_mtok: float | None = None
+    max_tokens_limit: int | None = None
+    rate_limit_rpm: int | None = None
+
+    @classmethod
+    def from_row(cls, tenant: Tenant) -> TenantPolicy:
+        return cls(
+            tenant_id=tenant.id,
+            name=tenant.name,
+            isolation=tenant.isolation,
+            reserved_blocks=tenant.reserved_blocks,
+            canonicalization=tenant.canonicalization,
+            share_hot_prefixes=tenant.share_hot_prefixes,
+            epoch=tenant.epoch,
+            price_input_per_mtok=tenant.price_input_per_mtok,
+            price_cached_input_per_mtok=tenant.price_cached_input_per_mtok,
+            price_output_per_mtok=tenant.price_output_per_mtok,
+            max_tokens_limit=tenant.max_tokens_limit,
+            rate_limit_rpm=tenant.rate_limit_rpm,
+        )
+
+
+# Fields an admin may set at creation or with PATCH (name included), with their checks.
+POLICY_FIELDS = tuple(f.name for f in fields(TenantPolicy) if f.name not in {"tenant_id", "epoch"})
+_NULLABLE = {
+    "price_input_per_mtok",
+    "price_cached_input_per_mtok",
+    "price_output_per_mtok",
+    "max_tokens_limit",
+    "rate_limit_rpm",
+}
+
+
+class PolicyError(ValueError):
+    """An admin supplied an unknown field or a value of the wrong type or range."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(name: str, value: Any) -> Any:
+    if value is None:
+        if name in _NULLABLE:
+            return None
+        raise PolicyError(f"'{name}' may not be null", name)
+    if name == "name":
+        if not isinstance(value, str) or not value.strip() or len(value) > 200:
+            raise PolicyError("'name' must be a non-empty string of at most 200 characters", name)
+        return value.strip()
+    if name == "isolation":
+        if value not in ISOLATION_LEVELS:
+            raise PolicyError(f"'isolation' must be one of {sorted(ISOLATION_LEVELS)}", name)
+        return value
+    if name == "canonicalization":
+        if value not in CANONICALIZATION_MODES:
+            raise PolicyError(f"'canonicalization' must be one of {list(CANONICALIZATION_MODES)}", name)
+        return value
+    if name == "share_hot_prefixes":
+        if not isinstance(value, bool):
+            raise PolicyError("'share_hot_prefixes' must be a boolean", name)
+        return value
+    if name.startswith("price_"):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise PolicyError(f"'{name}' must be a non-negative number", name)
+        return float(value)
+    # reserved_blocks, max_tokens_limit, rate_limit_rpm
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PolicyError(f"'{name}' must be a non-negative integer", name)
+    return value
+
+
+def validate_policy_fields(body: Mapping[str, Any], *, require_name: bool) -> dict[str, Any]:
+    """Checked copy of the policy fields in ``body``; raises PolicyError on the first bad one."""
+    unknown = sorted(set(body) - set(POLICY_FIELDS))
+    if unknown:
+        raise PolicyError(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+    if require_name and "name" not in body:
+        raise PolicyError("'name' is required", "name")
+    return {name: _check(name, value) for name, value in body.items()}

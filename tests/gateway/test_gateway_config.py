@@ -1,0 +1,58 @@
+import stat
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig, load_config, prepare_data_dir
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path):
+    config_file = tmp_path / "prefixgate.toml"
+    config_file.write_text(
+        '[gateway]\nport = 9000\nworker_urls = ["http://a:1/", "http://b:2"]\n'
+        "price_output_per_mtok = 5\ndefault_max_tokens = 64\n"
+    )
+    env = {
+        "PREFIXGATE_PORT": "9100",
+        "PREFIXGATE_POLICY_REFRESH_S": "0.25",
+        "PREFIXGATE_CONFIG": str(config_file),
+    }
+    config = load_config(env=env, overrides={"port": 9200, "host": None})
+    assert config.port == 9200 and config.host == "127.0.0.1"
+    assert config.worker_urls == ("http://a:1", "http://b:2")
+    assert config.price_output_per_mtok == 5.0 and config.default_max_tokens == 64
+    assert config.policy_refresh_s == 0.25
+    assert load_config(env={"PREFIXGATE_WORKER_URLS": "http://x:1, http://y:2"}).worker_urls == (
+        "http://x:1",
+        "http://y:2",
+    )
+    with pytest.raises(dataclasses_error()):
+        config.port = 1
+
+
+def dataclasses_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text("prot = 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        load_config(config_file=config_file, env={})
+
+
+def test_prepare_data_dir_generates_and_keeps_secrets(tmp_path: Path):
+    config = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d"))
+    assert config.namespace_salt and config.admin_token
+    for name in ("namespace_salt", "admin_token"):
+        assert stat.S_IMODE((tmp_path / "d" / name).stat().st_mode) == 0o600
+    again = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d"))
+    assert (again.namespace_salt, again.admin_token) == (config.namespace_salt, config.admin_token)
+    given = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d", admin_token="mine"))
+    assert given.admin_token == "mine"
+    assert "namespace_salt" not in repr(config)
+    assert config.resolved_database_url.startswith(
+        "sqlite+aiosqlite:///"
+    ) and config.resolved_database_url.endswith("d/prefixgate.db")

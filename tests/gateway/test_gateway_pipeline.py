@@ -1,0 +1,87 @@
+"""Namespace segments come from the authenticated tenant's policy only, and reach the worker payload."""
+
+import aiohttp
+
+from gateway.pipeline import PreparedRequest, RenderedPrompt, RequestPipeline
+from gateway.routing import RendezvousRouter
+from gateway.schemas import SamplingParams
+from gateway.workers import WorkerPool
+from policies.isolation import GLOBAL_NAMESPACE_ID, tenant_namespace_id, tenant_namespace_key
+from tenancy.policy import TenantPolicy
+
+SALT = b"test-salt"
+
+
+async def pipeline() -> tuple[RequestPipeline, aiohttp.ClientSession]:
+    session = aiohttp.ClientSession()
+    pool = WorkerPool(("http://127.0.0.1:9",), session)
+    return RequestPipeline(
+        pool=pool, router=RendezvousRouter(), salt=SALT, default_max_tokens=16, affinity_blocks=4
+    ), session
+
+
+async def test_segments_per_isolation_level():
+    pipe, session = await pipeline()
+    ids = RenderedPrompt(request=None, text=None, token_ids=list(range(100)))
+    namespace = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", reserved_blocks=9), None, ids)
+    assert len(namespace) == 1 and namespace[0].reserved_blocks == 0  # quotas are for dedicated only
+    assert namespace[0].namespace_id == tenant_namespace_id(SALT, "tn_a")
+    assert namespace[0].key == tenant_namespace_key(SALT, "tn_a", 0)
+
+    bumped = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", epoch=1), None, ids)
+    assert bumped[0].key != namespace[0].key and bumped[0].namespace_id == namespace[0].namespace_id
+
+    other = pipe.segments(TenantPolicy(tenant_id="tn_b", name="b"), None, ids)
+    assert other[0].key != namespace[0].key
+
+    dedicated = pipe.segments(
+        TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=9), None, ids
+    )
+    assert dedicated[0].reserved_blocks == 9
+
+    shared = [
+        pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), None, ids) for t in ("x", "y")
+    ]
+    assert shared[0] == shared[1] and shared[0][0].namespace_id == GLOBAL_NAMESPACE_ID
+    await session.close()
+
+
+async def test_worker_payload_carries_segments_and_sampling():
+    pipe, session = await pipeline()
+    tenant = TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=5)
+    sampling = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=("\n",), ignore_eos=False
+    )
+    prepared = PreparedRequest(
+        request_id="chatcmpl-1",
+        endpoint="chat.completions",
+        tenant=tenant,
+        model=None,
+        prompt_token_ids=[1, 2, 3],
+        segments=pipe.segments(tenant, None, RenderedPrompt(request=None, text=None, token_ids=[1, 2, 3])),
+        sampling=sampling,
+        stream=True,
+        include_usage=True,
+        worker_url="http://127.0.0.1:9",
+    )
+    payload = prepared.worker_payload()
+    assert payload["namespace"] == [
+        {
+            "start_token": 0,
+            "namespace_id": tenant_namespace_id(SALT, "tn_d"),
+            "key": tenant_namespace_key(SALT, "tn_d", 0).hex(),
+            "reserved_blocks": 5,
+        }
+    ]
+    assert payload["sampling"] == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 3,
+        "seed": 11,
+        "stop": ["\n"],
+        "stop_token_ids": [],
+        "ignore_eos": False,
+    }
+    assert payload["stream"] is True and payload["cache"] is True and payload["request_id"] == "chatcmpl-1"
+    await session.close()

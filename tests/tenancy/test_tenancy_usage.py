@@ -1,0 +1,171 @@
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from migrations import upgrade_database_async
+from tenancy.db import create_engine, create_sessionmaker
+from tenancy.models import UsageRecord
+from tenancy.reports import Prices, report_to_csv, report_totals, usage_report
+from tenancy.spool import UsageSpool
+from tenancy.usage import UsageWriter, insert_usage
+from tenancy.usage_types import UsageEvent
+
+
+def event(request_id: str, **kwargs) -> UsageEvent:
+    values = {
+        "tenant_id": "tn_a",
+        "model": "m",
+        "endpoint": "chat.completions",
+        "status": 200,
+        "prompt_tokens": 100,
+        "cached_tokens": 64,
+        "cached_tokens_by_tier": {"l1": 48, "l3": 16},
+        "completion_tokens": 10,
+        "prefill_ms": 5.0,
+        "saved_prefill_ms": 20.0,
+    }
+    values.update(kwargs)
+    return UsageEvent(request_id=request_id, **values)
+
+
+async def count(sessionmaker) -> int:
+    async with sessionmaker() as session:
+        return await session.scalar(select(func.count()).select_from(UsageRecord))
+
+
+async def test_insert_is_idempotent(db_url):
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    await insert_usage(sessionmaker, [event("r1"), event("r2")])
+    await insert_usage(sessionmaker, [event("r2"), event("r3")])
+    assert await count(sessionmaker) == 3
+    async with sessionmaker() as session:
+        row = await session.scalar(select(UsageRecord).where(UsageRecord.request_id == "r1"))
+    assert (row.cached_l1_tokens, row.cached_l3_tokens, row.cached_remote_tokens) == (48, 16, 0)
+    await engine.dispose()
+
+
+async def test_outage_spools_then_replays_once(tmp_path: Path):
+    """The database is unreachable (its folder does not exist yet), then comes back."""
+    db_path = tmp_path / "later" / "usage.db"
+    url = f"sqlite+aiosqlite:///{db_path}"
+    engine = create_engine(url)
+    sessionmaker = create_sessionmaker(engine)
+    spool = UsageSpool(tmp_path / "spool.jsonl")
+    writer = UsageWriter(sessionmaker, spool, flush_s=0.01)
+    for i in range(5):
+        writer.submit(event(f"r{i}"))
+    await writer.flush()
+    assert spool.depth() == 5 and writer.num_spooled == 5 and writer.pending == 0
+
+    await upgrade_database_async(url)  # the database returns
+    writer.submit(event("r5"))
+    await writer.flush()
+    assert spool.depth() == 0 and await count(sessionmaker) == 6
+
+    # A crash between replay and truncation replays the same records: nothing is counted twice.
+    spool.append([event("r0"), event("r1")])
+    await writer.close()
+    assert spool.depth() == 0 and await count(sessionmaker) == 6
+    await engine.dispose()
+
+
+async def test_restart_replays_spool_left_by_previous_process(tmp_path: Path, sqlite_url: str):
+    spool_path = tmp_path / "spool.jsonl"
+    UsageSpool(spool_path).append([event("a"), event("b")])
+    with open(spool_path, "a") as handle:
+        handle.write('{"request_id": "torn"')  # killed mid-write
+    engine = create_engine(sqlite_url)
+    sessionmaker = create_sessionmaker(engine)
+    writer = UsageWriter(sessionmaker, UsageSpool(spool_path))
+    await writer.flush()
+    assert await count(sessionmaker) == 2 and UsageSpool(spool_path).depth() == 0
+    await engine.dispose()
+
+
+async def test_report_groups_prices_and_csv(db_url):
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    from tenancy.repository import TenantRepository
+
+    repo = TenantRepository(sessionmaker)
+    priced, _ = await repo.create_tenant(
+        {
+            "name": "priced",
+            "price_input_per_mtok": 10.0,
+            "price_cached_input_per_mtok": 1.0,
+            "price_output_per_mtok": 20.0,
+        }
+    )
+    day = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
+    await insert_usage(
+        sessionmaker,
+        [
+            event(
+                "p1",
+                tenant_id=priced.tenant_id,
+                created_at=day,
+                prompt_tokens=1_000_000,
+                cached_tokens=500_000,
+                completion_tokens=100_000,
+            ),
+            event(
+                "p2",
+                tenant_id=priced.tenant_id,
+                created_at=day + timedelta(hours=1),
+                status=500,
+                prompt_tokens=0,
+                cached_tokens=0,
+                completion_tokens=0,
+                cached_tokens_by_tier={},
+            ),
+            event("d1", tenant_id="tn_deleted", created_at=day + timedelta(days=1)),
+        ],
+    )
+    defaults = Prices(input_per_mtok=1.0, cached_input_per_mtok=0.1, output_per_mtok=2.0)
+    rows = await usage_report(sessionmaker, default_prices=defaults, granularity="day")
+    assert [(r.tenant_id, r.period_start) for r in rows] == [
+        (priced.tenant_id, "2026-03-01T00:00:00+00:00"),
+        ("tn_deleted", "2026-03-02T00:00:00+00:00"),
+    ]
+    first = rows[0]
+    assert (first.requests, first.errors, first.prompt_tokens, first.cached_tokens) == (
+        2,
+        1,
+        1_000_000,
+        500_000,
+    )
+    assert first.hit_rate == 0.5 and first.tenant_name == "priced"
+    assert first.cost_uncached_input == 5.0 and first.cost_cached_input == 0.5 and first.cost_output == 2.0
+    assert first.cost_total == 7.5 and first.saved_cost == 4.5
+    assert rows[1].tenant_name is None and rows[1].cost_output == 10 * 2.0 / 1e6
+
+    hourly = await usage_report(
+        sessionmaker,
+        default_prices=defaults,
+        granularity="hour",
+        tenant_id=priced.tenant_id,
+        start=day,
+        end=day + timedelta(hours=1),
+    )
+    assert [(r.period_start, r.requests) for r in hourly] == [("2026-03-01T10:00:00+00:00", 1)]
+    totals = report_totals(rows)
+    assert totals["requests"] == 3 and totals["prompt_tokens"] == 1_000_100
+    csv_text = report_to_csv(rows)
+    assert csv_text.splitlines()[0].startswith("tenant_id,tenant_name,period_start,requests")
+    assert len(csv_text.splitlines()) == 3
+    await engine.dispose()
+
+
+async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, tmp_path: Path):
+    engine = create_engine(pg_url)
+    sessionmaker = create_sessionmaker(engine)
+    writer = UsageWriter(sessionmaker, UsageSpool(tmp_path / "spool.jsonl"))
+    writer.submit(event("good-1", model="m" * 500))  # over the column's length: truncated, stored
+    writer.submit(event("poison", prompt_tokens=2**40))  # out of int4 range: PostgreSQL refuses it
+    writer.submit(event("good-2"))
+    await writer.flush()
+    assert await count(sessionmaker) == 2 and writer.spool.depth() == 0
+    assert [e.request_id for e in writer.rejected.read()] == ["poison"]
+    await engine.dispose()
