@@ -40,7 +40,11 @@ from worker.tiers.host import DemotedBlock, HostTier
 from worker.tiers.transfer import Copier
 
 CODECS = ("none", "fp8", "int4")
-SEGMENT = [NamespaceSegment(start_token=0, namespace_id="bench", key=NamespaceKey(b"bench-namespace-key-0123456789ab"))]
+SEGMENT = [
+    NamespaceSegment(
+        start_token=0, namespace_id="bench", key=NamespaceKey(b"bench-namespace-key-0123456789ab")
+    )
+]
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -87,9 +91,16 @@ def _chain(num_blocks: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[
     hashes = block_hashes(tokens, shape[2], b"bench", SEGMENT)
     data = torch.randn(num_blocks, *shape).to(dtype)
     return [
-        DemotedBlock(record=BlockRecord(block_hash=h, parent_hash=hashes[k - 1] if k else None,
-                                        token_ids=tuple(tokens[k * shape[2] : (k + 1) * shape[2]])),
-                     namespace_id="bench", position=k, data=data[k])
+        DemotedBlock(
+            record=BlockRecord(
+                block_hash=h,
+                parent_hash=hashes[k - 1] if k else None,
+                token_ids=tuple(tokens[k * shape[2] : (k + 1) * shape[2]]),
+            ),
+            namespace_id="bench",
+            position=k,
+            data=data[k],
+        )
         for k, h in enumerate(hashes)
     ]
 
@@ -100,14 +111,25 @@ def restore_l2_gbps(shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int)
     slots = [host.put(b.record, b.namespace_id, b.position, b.data) for b in chain]
     pool = torch.empty((num_blocks + 8, *shape), dtype=dtype)
     copier = Copier(pool)
-    best = min(_timed(lambda: copier.copy_in(host.data, slots, list(range(num_blocks))).wait()) for _ in range(3))
+    best = min(
+        _timed(lambda: copier.copy_in(host.data, slots, list(range(num_blocks))).wait()) for _ in range(3)
+    )
     copier.close()
     return num_blocks * chain[0].data.numel() * chain[0].data.element_size() / best / 1e9
 
 
-def restore_l3_gbps(directory: Path, codec: str, shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int) -> float:
-    disk = DiskTier(directory / codec, budget_bytes=1 << 40, fingerprint=b"bench" * 7, codec=codec,
-                    block_shape=shape, dtype=dtype, min_free_bytes=0)
+def restore_l3_gbps(
+    directory: Path, codec: str, shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int
+) -> float:
+    disk = DiskTier(
+        directory / codec,
+        budget_bytes=1 << 40,
+        fingerprint=b"bench" * 7,
+        codec=codec,
+        block_shape=shape,
+        dtype=dtype,
+        min_free_bytes=0,
+    )
     chain = _chain(num_blocks, shape, dtype)
     disk.write(chain)
     found = disk.match([b.record.block_hash for b in chain], [list(b.record.token_ids) for b in chain])
@@ -128,7 +150,9 @@ async def ttft(engine: Engine, rid: str, prompt: list[int]) -> tuple[float, dict
     started = time.perf_counter()
     first = None
     usage: dict = {}
-    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), SEGMENT):
+    async for out in engine.generate(
+        rid, prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), SEGMENT
+    ):
         first = first or time.perf_counter()
         if out.finished:
             usage = out.usage or {}
@@ -143,7 +167,9 @@ def ttft_by_source(model: str, prompt_tokens: int, data_dir: Path, progress: Pro
     def question() -> list[int]:
         return [rng.randrange(256) for _ in range(64)]
 
-    pool_blocks = int(prompt_tokens / 16 * 1.5) + 16  # one prompt fits, two do not: the second evicts the first
+    pool_blocks = (
+        int(prompt_tokens / 16 * 1.5) + 16
+    )  # one prompt fits, two do not: the second evicts the first
     base = dict(model=model, max_model_len=prompt_tokens + 64, num_blocks=pool_blocks)
     out: dict[str, float] = {}
     task = progress.add_task("TTFT by source", total=3 + 2 * len(CODECS))
@@ -163,13 +189,17 @@ def ttft_by_source(model: str, prompt_tokens: int, data_dir: Path, progress: Pro
         engine.stop()
         for codec in CODECS:
             directory = data_dir / f"l3-{codec}"
-            writer = Engine(WorkerConfig(**base, l2_bytes=0, l3_dir=directory, l3_codec=codec, l3_min_free_bytes=0))
+            writer = Engine(
+                WorkerConfig(**base, l2_bytes=0, l3_dir=directory, l3_codec=codec, l3_min_free_bytes=0)
+            )
             writer.start()
             await ttft(writer, f"write-{codec}", context + question())
             writer.stop()  # flushes the cache to disk
             progress.advance(task)
             drop_page_cache(list(directory.rglob("*.kv")))
-            reader = Engine(WorkerConfig(**base, l2_bytes=0, l3_dir=directory, l3_codec=codec, l3_min_free_bytes=0))
+            reader = Engine(
+                WorkerConfig(**base, l2_bytes=0, l3_dir=directory, l3_codec=codec, l3_min_free_bytes=0)
+            )
             reader.start()
             out[f"l3_{codec}"], usage = await ttft(reader, f"read-{codec}", context + question())
             assert usage["cached_tokens_by_source"]["l3"] > 0, usage
@@ -189,7 +219,9 @@ def greedy_agreement(codec: str, quick: bool) -> float:
         "Dictionaries map hashable keys to arbitrary objects and keep insertion order. "
     ) * 4
     context = loaded.tokenizer.encode(text, add_special_tokens=True)[:512]
-    return codec_accuracy(loaded.model, context, codec=codec, continuation_tokens=64 if quick else 256).greedy_agreement
+    return codec_accuracy(
+        loaded.model, context, codec=codec, continuation_tokens=64 if quick else 256
+    ).greedy_agreement
 
 
 def plot(ttft_ms: dict[str, float], restore: dict[str, float], limits: dict[str, float], path: Path) -> None:
@@ -199,7 +231,9 @@ def plot(ttft_ms: dict[str, float], restore: dict[str, float], limits: dict[str,
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(list(ttft_ms), list(ttft_ms.values()), color=["#888" if k == "recompute" else "#3a7" for k in ttft_ms])
+    left.bar(
+        list(ttft_ms), list(ttft_ms.values()), color=["#888" if k == "recompute" else "#3a7" for k in ttft_ms]
+    )
     left.set_ylabel("TTFT (ms)")
     left.set_title("TTFT by the source of the cached context")
     right.bar(list(restore), list(restore.values()))
@@ -214,7 +248,9 @@ def plot(ttft_ms: dict[str, float], restore: dict[str, float], limits: dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 2k-token prompt and smaller buffers (under 60 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2k-token prompt and smaller buffers (under 60 s)"
+    )
     parser.add_argument("--model", default="random-bench")
     parser.add_argument("--data-dir", type=Path, default=None, help="where L3 files go (default: a temp dir)")
     parser.add_argument("--plot", type=Path, default=Path("bench/out/tiers.png"))
@@ -240,15 +276,21 @@ def main() -> None:
             progress.advance(task)
         ttft_ms = ttft_by_source(args.model, prompt_tokens, data_dir, progress)
         agreement = {codec: greedy_agreement(codec, args.quick) for codec in ("fp8", "int4")}
-    table = Table(title=f"tiers ({args.model}, {prompt_tokens}-token prompt, {restore_blocks} blocks restored)")
+    table = Table(
+        title=f"tiers ({args.model}, {prompt_tokens}-token prompt, {restore_blocks} blocks restored)"
+    )
     for column in ("what", "value", "vs limit"):
         table.add_column(column, justify="right")
     table.add_row("memcpy", f"{limits['memcpy_gbps']:.2f} GB/s", "")
     table.add_row("raw disk read", f"{limits['disk_read_gbps']:.2f} GB/s", "")
-    table.add_row("restore L2", f"{restore['l2']:.2f} GB/s", f"{restore['l2'] / limits['memcpy_gbps']:.0%} of memcpy")
+    table.add_row(
+        "restore L2", f"{restore['l2']:.2f} GB/s", f"{restore['l2'] / limits['memcpy_gbps']:.0%} of memcpy"
+    )
     for codec in CODECS:
         value = restore[f"l3_{codec}"]
-        table.add_row(f"restore L3 {codec}", f"{value:.2f} GB/s", f"{value / limits['disk_read_gbps']:.0%} of disk read")
+        table.add_row(
+            f"restore L3 {codec}", f"{value:.2f} GB/s", f"{value / limits['disk_read_gbps']:.0%} of disk read"
+        )
     for source, ms in ttft_ms.items():
         table.add_row(f"TTFT {source}", f"{ms:.1f} ms", f"{ms / ttft_ms['recompute']:.2f} of recompute")
     for codec, value in agreement.items():
@@ -257,9 +299,17 @@ def main() -> None:
     plot(ttft_ms, restore, limits, args.plot)
     Console().print(f"plot: {args.plot}")
     r3 = lambda d: {k: round(v, 3) for k, v in d.items()}  # noqa: E731
-    print(json.dumps({"limits": r3(limits), "restore_gbps": r3(restore), "ttft_ms": r3(ttft_ms),
-                      "fp8_greedy_agreement": round(agreement["fp8"], 4),
-                      "int4_greedy_agreement": round(agreement["int4"], 4)}))
+    print(
+        json.dumps(
+            {
+                "limits": r3(limits),
+                "restore_gbps": r3(restore),
+                "ttft_ms": r3(ttft_ms),
+                "fp8_greedy_agreement": round(agreement["fp8"], 4),
+                "int4_greedy_agreement": round(agreement["int4"], 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict) -> tu
     return times[0] - start, times, usage
 
 
-async def measure_ttft(url: str, lengths: list[int], reps: int, rng: random.Random, progress: Progress) -> list[dict]:
+async def measure_ttft(
+    url: str, lengths: list[int], reps: int, rng: random.Random, progress: Progress
+) -> list[dict]:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(256) for _ in range(n)]
 
@@ -72,23 +74,38 @@ async def measure_ttft(url: str, lengths: list[int], reps: int, rng: random.Rand
             for rep in range(reps):
                 key = f"{rng.getrandbits(128):032x}"
                 context = tokens(length - QUESTION_TOKENS)
-                miss, _, _ = await _stream(session, url, _payload(f"m{length}-{rep}", context + tokens(QUESTION_TOKENS), key, 1))
-                hit, _, usage = await _stream(session, url, _payload(f"h{length}-{rep}", context + tokens(QUESTION_TOKENS), key, 1))
+                miss, _, _ = await _stream(
+                    session, url, _payload(f"m{length}-{rep}", context + tokens(QUESTION_TOKENS), key, 1)
+                )
+                hit, _, usage = await _stream(
+                    session, url, _payload(f"h{length}-{rep}", context + tokens(QUESTION_TOKENS), key, 1)
+                )
                 misses.append(miss)
                 hits.append(hit)
                 cached = usage["cached_tokens"]
                 progress.advance(task)
-            results.append({"prompt_tokens": length, "cached_tokens": cached,
-                            "ttft_miss_ms": statistics.median(misses) * 1000, "ttft_hit_ms": statistics.median(hits) * 1000})
+            results.append(
+                {
+                    "prompt_tokens": length,
+                    "cached_tokens": cached,
+                    "ttft_miss_ms": statistics.median(misses) * 1000,
+                    "ttft_hit_ms": statistics.median(hits) * 1000,
+                }
+            )
     return results
 
 
-async def measure_decode(url: str, concurrencies: list[int], num_tokens: int, progress: Progress) -> dict[str, float]:
+async def measure_decode(
+    url: str, concurrencies: list[int], num_tokens: int, progress: Progress
+) -> dict[str, float]:
     out = {}
     task = progress.add_task("decode", total=len(concurrencies))
     async with aiohttp.ClientSession() as session:
         for n in concurrencies:
-            payloads = [_payload(f"d{n}-{i}", [(i * 31 + j) % 256 for j in range(32)], f"{i:032x}", num_tokens) for i in range(n)]
+            payloads = [
+                _payload(f"d{n}-{i}", [(i * 31 + j) % 256 for j in range(32)], f"{i:032x}", num_tokens)
+                for i in range(n)
+            ]
             runs = await asyncio.gather(*(_stream(session, url, p) for p in payloads))
             first = min(times[0] for _, times, _ in runs)
             last = max(times[-1] for _, times, _ in runs)
@@ -131,8 +148,14 @@ def main() -> None:
     decode_tokens = 32 if args.quick else args.decode_tokens
     console = Console(stderr=True)
     cfg = RANDOM_PRESETS[args.model.removeprefix("random-")] if args.model.startswith("random-") else None
-    worker_args = ["--model", args.model, "--max-model-len", str(max(lengths) + 128), "--num-blocks",
-                   str(3 * max(lengths) // 16 + 64)]
+    worker_args = [
+        "--model",
+        args.model,
+        "--max-model-len",
+        str(max(lengths) + 128),
+        "--num-blocks",
+        str(3 * max(lengths) // 16 + 64),
+    ]
     rng = random.Random(0)
     with worker_process(*worker_args) as url, Progress(console=console, transient=True) as progress:
         results = asyncio.run(measure_ttft(url, lengths, reps, rng, progress))
@@ -141,14 +164,23 @@ def main() -> None:
         r["speedup"] = r["ttft_miss_ms"] / r["ttft_hit_ms"]
         if cfg is not None:
             new = r["prompt_tokens"] - r["cached_tokens"]
-            r["ideal_speedup"] = cfg.prefill_flops(r["prompt_tokens"]) / cfg.prefill_flops(new, r["cached_tokens"])
+            r["ideal_speedup"] = cfg.prefill_flops(r["prompt_tokens"]) / cfg.prefill_flops(
+                new, r["cached_tokens"]
+            )
     table = Table(title=f"worker TTFT ({args.model})")
     for column in ("prompt", "cached", "miss ms", "hit ms", "speedup", "ideal", "speedup/ideal"):
         table.add_column(column, justify="right")
     for r in results:
         ideal = r.get("ideal_speedup", float("nan"))
-        table.add_row(str(r["prompt_tokens"]), str(r["cached_tokens"]), f"{r['ttft_miss_ms']:.1f}", f"{r['ttft_hit_ms']:.1f}",
-                      f"{r['speedup']:.1f}x", f"{ideal:.1f}x", f"{r['speedup'] / ideal:.2f}")
+        table.add_row(
+            str(r["prompt_tokens"]),
+            str(r["cached_tokens"]),
+            f"{r['ttft_miss_ms']:.1f}",
+            f"{r['ttft_hit_ms']:.1f}",
+            f"{r['speedup']:.1f}x",
+            f"{ideal:.1f}x",
+            f"{r['speedup'] / ideal:.2f}",
+        )
     Console().print(table)
     decode_table = Table(title="aggregate decode throughput")
     decode_table.add_column("concurrent sequences", justify="right")

@@ -63,7 +63,9 @@ async def healthz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.alive:
         return web.json_response({"status": "down"}, status=503)
-    return web.json_response({"status": "ok", "model_id": engine.loaded.model_id})
+    return web.json_response(
+        {"status": "ok", "model_id": engine.loaded.model_id, "worker_id": request.app[WORKER_ID]}
+    )
 
 
 async def info(request: web.Request) -> web.Response:

@@ -46,11 +46,24 @@ def test_unknown_codec_is_refused():
 
 
 def _entry(fingerprint: bytes = b"f" * 32) -> tuple[bytes, list[bytes]]:
-    records = [BlockRecord(block_hash=bytes([i]) * 32, parent_hash=bytes([i - 1]) * 32 if i else None,
-                           token_ids=tuple(range(i, i + 16))) for i in range(3)]
+    records = [
+        BlockRecord(
+            block_hash=bytes([i]) * 32,
+            parent_hash=bytes([i - 1]) * 32 if i else None,
+            token_ids=tuple(range(i, i + 16)),
+        )
+        for i in range(3)
+    ]
     data = [bytes([i]) * 100 for i in range(3)]
-    blob = encode_entry(fingerprint=fingerprint, namespace_id="t-a", codec="none", dtype="float32",
-                        block_shape=SHAPE, blocks=records, payloads=data)
+    blob = encode_entry(
+        fingerprint=fingerprint,
+        namespace_id="t-a",
+        codec="none",
+        dtype="float32",
+        block_shape=SHAPE,
+        blocks=records,
+        payloads=data,
+    )
     return blob, data
 
 
@@ -58,11 +71,15 @@ def test_entry_roundtrip():
     blob, data = _entry()
     header = decode_header(blob, fingerprint=b"f" * 32)
     assert header.namespace_id == "t-a" and len(header.blocks) == 3 and header.total_bytes == len(blob)
-    assert header.blocks[1].parent_hash == bytes([0]) * 32 and header.blocks[2].token_ids == tuple(range(2, 18))
+    assert header.blocks[1].parent_hash == bytes([0]) * 32 and header.blocks[2].token_ids == tuple(
+        range(2, 18)
+    )
     assert bytes(payloads(blob, header, 1, 2)) == data[1] + data[2]
 
 
-@pytest.mark.parametrize("damage", ["header byte", "payload byte", "truncated", "foreign model", "not an entry"])
+@pytest.mark.parametrize(
+    "damage", ["header byte", "payload byte", "truncated", "foreign model", "not an entry"]
+)
 def test_damaged_entries_are_detected(damage):
     blob, _ = _entry()
     fingerprint = b"f" * 32
@@ -95,8 +112,15 @@ def test_lossy_codec_accuracy_on_a_hugging_face_checkpoint(tmp_path, codec):
     from worker.tokenizer import TokenizerBundle
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    cfg = transformers.LlamaConfig(
+        vocab_size=264,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
     TokenizerBundle.byte_level().save(tmp_path)
     model = load_hf_dir(tmp_path, dtype=torch.float32, device=torch.device("cpu")).model
