@@ -131,3 +131,30 @@ def test_lossy_codec_accuracy_on_a_hugging_face_checkpoint(tmp_path, codec):
     min_agreement, max_error = ACCURACY_BOUNDS["hf-tiny-llama"][codec]
     assert result.greedy_agreement >= min_agreement
     assert result.max_logit_error <= max_error
+
+
+BUILTIN_BOUNDS = {"fp8": (0.95, 2.0), "int4": (0.85, 6.0)}  # measured: fp8 .984 / 1.06, int4 .961 / 3.88
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int4"])
+def test_lossy_codec_accuracy_on_the_builtin_model(codec):
+    import pydoc_data.topics
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from worker.model.loader import load_model
+
+    loaded = load_model("builtin", dtype=torch.float32, device=torch.device("cpu"))
+    template = ImmutableSandboxedEnvironment().from_string(loaded.tokenizer.chat_template)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant that answers questions about Python."},
+        {"role": "user", "content": "Here is some documentation:\n" + pydoc_data.topics.topics["for"][:1200]},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Tell me about the for statement."},
+    ]
+    prompt = template.render(messages=messages, bos_token="<|bos|>", add_generation_prompt=True)
+    result = codec_accuracy(
+        loaded.model, loaded.tokenizer.encode(prompt), codec=codec, continuation_tokens=128
+    )
+    min_agreement, max_error = BUILTIN_BOUNDS[codec]
+    assert result.greedy_agreement >= min_agreement
+    assert result.max_logit_error <= max_error
