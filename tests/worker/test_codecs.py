@@ -139,6 +139,7 @@ BUILTIN_BOUNDS = {"fp8": (0.95, 2.0), "int4": (0.85, 6.0)}  # measured: fp8 .984
 @pytest.mark.parametrize("codec", ["fp8", "int4"])
 def test_lossy_codec_accuracy_on_the_builtin_model(codec):
     import pydoc_data.topics
+
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from worker.model.loader import load_model

@@ -264,6 +264,7 @@ class TieredStore:
         parts: list[torch.Tensor] = []
         try:
             if self.disk is not None:
+                self.disk.will_need([file_id for file_id, _ in plan.disk_reads])
                 for file_id, positions in plan.disk_reads:
                     t0 = time.perf_counter()
                     got, data = self.disk.read(file_id, positions[0], len(positions))
