@@ -25,6 +25,7 @@ from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.config import WorkerConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
+from worker.output import append_token, take_text_delta, usage
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
@@ -360,33 +361,11 @@ class Engine:
         return True
 
     def _append_token(self, seq: Sequence, token: int) -> None:
-        seq.output_token_ids.append(token)
         self.counters["generated_tokens_total"] += 1
-        params = seq.sampling
-        reason = None
-        if token in params.stop_token_ids or (
-            token in self.tokenizer.eos_token_ids and not params.ignore_eos
-        ):
-            reason = "stop"
-        else:
-            seq.detokenizer.add(token)
-            text = seq.detokenizer.text
-            for stop in params.stop:
-                at = text.find(stop, max(0, seq.emitted_text_len - len(stop)))
-                if at >= 0:
-                    seq.detokenizer.text = text[:at]
-                    reason = "stop"
-                    break
-        if reason is None and (
-            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
-        text = seq.detokenizer.text
-        # While running, hold back text that could still become the start of a stop string.
-        hold = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)
-        end = max(seq.emitted_text_len, len(text) - hold)
-        delta = text[seq.emitted_text_len : end]
-        seq.emitted_text_len = end
+        reason = append_token(
+            seq, token, eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len
+        )
+        delta = take_text_delta(seq, finished=reason is not None)
         handle = self._handles.get(seq.request_id)
         if reason is None:
             if handle is not None:
@@ -397,6 +376,7 @@ class Engine:
         self.runner.forget(seq)
         self.counters["preemptions_total"] += seq.num_preemptions
         if handle is not None:
+            final = usage(seq, prefill_tokens_per_s=self.prefill_tokens_per_s)
             handle.push(
                 RequestOutput(
                     request_id=seq.request_id,
@@ -404,7 +384,7 @@ class Engine:
                     token_ids=[token],
                     finished=True,
                     finish_reason=reason,
-                    usage=self._usage(seq),
+                    usage=final,
                 )
             )
 
@@ -421,25 +401,6 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, "error", error=message)
-
-    def _usage(self, seq: Sequence) -> dict[str, Any]:
-        t = seq.timings
-        ms = lambda a, b: round(((b or 0.0) - (a or 0.0)) * 1000, 3)  # noqa: E731
-        by_source = {"l1": 0, "l2": 0, "l3": 0, "remote": 0} | seq.cached_tokens_by_source
-        saved = seq.num_cached_tokens / self.prefill_tokens_per_s * 1000 if self.prefill_tokens_per_s else 0.0
-        return {
-            "prompt_tokens": len(seq.prompt_token_ids),
-            "completion_tokens": len(seq.output_token_ids),
-            "cached_tokens": seq.num_cached_tokens,
-            "cached_tokens_by_source": by_source,
-            "recomputed_tokens": len(seq.prompt_token_ids) - seq.num_cached_tokens,
-            "queue_ms": ms(t.arrival_s, t.admitted_s),
-            "prefill_ms": ms(t.admitted_s, t.first_token_s),
-            "ttft_ms": ms(t.arrival_s, t.first_token_s),
-            "decode_ms": ms(t.first_token_s, t.finished_s),
-            "estimated_saved_prefill_ms": round(saved, 3),
-            "preemptions": seq.num_preemptions,
-        }
 
     def _warmup(self) -> None:
         """One uncached prefill before serving: warms kernels and measures the prefill speed."""

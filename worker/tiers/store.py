@@ -28,6 +28,7 @@ import torch
 
 from policies.hashing import BlockHash
 from worker.block_manager import Block, BlockManager
+from worker.output import SOURCES
 from worker.tiers.disk import DiskTier
 from worker.tiers.entry import BlockRecord, CorruptEntry
 from worker.tiers.host import DemotedBlock, HostTier
@@ -35,7 +36,6 @@ from worker.tiers.remote import RemoteTier
 from worker.tiers.transfer import Copier, Transfer
 
 log = logging.getLogger("prefixgate.worker.tiers")
-SOURCES = ("l1", "l2", "l3", "remote")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
