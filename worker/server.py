@@ -12,6 +12,7 @@ from aiohttp import web
 
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
+from worker.metrics import render as render_metrics
 from worker.protocol import BadRequest, parse_generate
 
 log = logging.getLogger("prefixgate.worker")
@@ -180,6 +181,11 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].stats())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = render_metrics(request.app[ENGINE].stats)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 async def purge(request: web.Request) -> web.Response:
     body = await _json(request)
     namespace_id = body.get("namespace_id") if isinstance(body, dict) else None
@@ -209,4 +215,5 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Applic
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/v1/stats", stats)
     app.router.add_post("/v1/purge", purge)
+    app.router.add_get("/metrics", metrics)
     return app

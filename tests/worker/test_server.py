@@ -128,3 +128,12 @@ async def test_purge_erases_a_namespace(worker_url):
         assert status == 200 and purged["blocks_erased"]["l1"] >= 3
         _, again = await post(s, f"{worker_url}/v1/generate", body("p2", prompt))
     assert again["usage"]["cached_tokens"] == 0
+
+
+async def test_metrics_are_prometheus_text(worker_url):
+    async with aiohttp.ClientSession() as s, s.get(f"{worker_url}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    assert "prefixgate_worker_requests_total" in text
+    assert 'prefixgate_worker_tier_hit_blocks_total{tier="l1"}' in text
+    assert "prefixgate_worker_num_blocks_total 256.0" in text

@@ -1,0 +1,77 @@
+"""Prometheus exposition of the worker's counters (``GET /metrics``), read from ``Engine.stats``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "prefixgate_worker_"
+COUNTERS = {
+    "requests_total": "Requests received",
+    "requests_aborted": "Requests cancelled by their client",
+    "prompt_tokens_total": "Prompt tokens received",
+    "cached_tokens_total": "Prompt tokens served from a cache tier",
+    "generated_tokens_total": "Tokens generated",
+    "preemptions_total": "Sequences preempted and recomputed",
+    "engine_errors_total": "Engine steps that failed",
+    "evictions_total": "Blocks evicted from the device pool",
+}
+GAUGES = {
+    "num_blocks_total": "Blocks in the device pool",
+    "num_blocks_free": "Free blocks in the device pool",
+    "num_blocks_cached": "Cached (reusable) blocks in the device pool",
+    "num_blocks_in_use": "Blocks referenced by running requests",
+    "num_running": "Running requests",
+    "num_waiting": "Waiting requests",
+    "prefill_tokens_per_s": "Measured prefill speed",
+}
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats()
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, value=stats.get(name, 0))
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=stats.get(name, 0))
+        tiers = stats.get("tiers") or {}
+        hits = CounterMetricFamily(
+            PREFIX + "tier_hit_blocks", "Cached blocks served, by tier", labels=["tier"]
+        )
+        for tier, value in (tiers.get("hits_blocks") or {}).items():
+            hits.add_metric([tier], value)
+        yield hits
+        gated = CounterMetricFamily(
+            PREFIX + "tier_gated_blocks", "Blocks recomputed because loading was slower", labels=["tier"]
+        )
+        for tier, value in (tiers.get("gated_blocks") or {}).items():
+            gated.add_metric([tier], value)
+        yield gated
+        bandwidth = GaugeMetricFamily(
+            PREFIX + "tier_bandwidth_gbps", "Measured load bandwidth", labels=["tier"]
+        )
+        for tier, value in (tiers.get("bandwidth_gbps") or {}).items():
+            bandwidth.add_metric([tier], value)
+        yield bandwidth
+        events = CounterMetricFamily(
+            PREFIX + "tier_events", "Tier events (writes, errors, damage)", labels=["tier", "event"]
+        )
+        for tier in ("l3", "remote"):
+            for event, value in (tiers.get(tier) or {}).items():
+                if event.endswith("_total"):
+                    events.add_metric([tier, event.removesuffix("_total")], value)
+        yield events
+
+
+def render(stats: Callable[[], Mapping[str, Any]]) -> bytes:
+    """The exposition text for one scrape."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats))
+    return generate_latest(registry)
