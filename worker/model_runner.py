@@ -62,7 +62,7 @@ class ModelRunner:
         slot_offsets: list[int] = []
         for seq in step.decodes:
             pos = seq.num_computed_tokens
-            ids.append(seq.all_token_ids[pos])
+            ids.append(seq.token_at(pos))
             positions.append(pos)
             slot_blocks.append(seq.block_table[pos // bs])
             slot_offsets.append(pos % bs)
@@ -76,7 +76,7 @@ class ModelRunner:
         for chunk in step.prefills:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
             query_start = len(ids)
-            ids.extend(seq.all_token_ids[start:end])
+            ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
             slot_blocks.extend(seq.block_table[p // bs] for p in range(start, end))
             slot_offsets.extend(p % bs for p in range(start, end))

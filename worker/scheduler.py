@@ -139,7 +139,7 @@ class Scheduler:
         bm, bs = self.block_manager, self.block_size
         # After a preemption the generated tokens (but the last, decoded next) are prefilled again.
         num_prefill = seq.num_tokens - 1 if seq.output_token_ids else seq.num_tokens
-        tokens = seq.all_token_ids[:num_prefill]
+        tokens = seq.tokens(0, num_prefill)
         if seq.output_token_ids or len(seq.block_hashes) != num_prefill // bs:
             seq.block_hashes = block_hashes(tokens, bs, self.model_fingerprint, seq.segments)
         matched: list[int] = []
@@ -256,12 +256,9 @@ class Scheduler:
     def _publish_full_blocks(self, seq: Sequence) -> None:
         bm, bs = self.block_manager, self.block_size
         full = seq.num_computed_tokens // bs
-        tokens = None
         while seq.num_published_blocks < full:
             k = seq.num_published_blocks
-            if tokens is None:
-                tokens = seq.all_token_ids
-            block_tokens = tokens[k * bs : (k + 1) * bs]
+            block_tokens = seq.tokens(k * bs, (k + 1) * bs)
             if k >= len(seq.block_hashes):  # a generated block: extend the chain
                 seg = segment_at(seq.segments, k * bs)
                 parent = seq.block_hashes[-1] if k else root_hash(self.model_fingerprint, seg.key)

@@ -74,6 +74,19 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_at(self, index: int) -> int:
+        """Token ``index`` of prompt + output, without building the joined list."""
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start … end-1`` of prompt + output, copying only that span."""
+        prompt = len(self.prompt_token_ids)
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:prompt]
+        return head + self.output_token_ids[max(0, start - prompt) : end - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
