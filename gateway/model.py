@@ -116,16 +116,21 @@ class ModelRuntime:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text of a conversation, ending with the assistant's generation prompt."""
+        """The prompt text of a conversation, ending with the assistant's generation prompt unless
+        ``add_generation_prompt`` is false (the prompt lint measures the conversation alone)."""
         if self._template is None:
             raise TemplateError(f"model {self.model_id!r} has no chat template; use /v1/completions")
         try:
             return self._template.render(
                 messages=messages,
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.info.bos_token or "",
                 eos_token=self.info.eos_token or "",
             )
@@ -137,6 +142,11 @@ class ModelRuntime:
     def encode_chat(self, text: str) -> list[int]:
         """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_chat_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """``encode_chat`` plus the start character of every token (for message-boundary offsets)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the BOS token when the model wants one."""
