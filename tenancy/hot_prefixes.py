@@ -34,6 +34,11 @@ class HotPrefixInfo:
     revoked_at: datetime | None
 
 
+def _utc(moment: datetime | None) -> datetime | None:
+    """SQLite gives naive datetimes back; every time stored here is UTC."""
+    return moment if moment is None or moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
 def _info(row: HotPrefix) -> HotPrefixInfo:
     return HotPrefixInfo(
         id=row.id,
@@ -42,8 +47,8 @@ def _info(row: HotPrefix) -> HotPrefixInfo:
         num_tokens=row.num_tokens,
         hits_per_hour=row.hits_per_hour,
         num_tenants=row.num_tenants,
-        promoted_at=row.promoted_at,
-        revoked_at=row.revoked_at,
+        promoted_at=_utc(row.promoted_at),
+        revoked_at=_utc(row.revoked_at),
     )
 
 
