@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 
 class TemplateError(ValueError):
@@ -143,10 +143,10 @@ class ModelRuntime:
         """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def encode_chat_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """``encode_chat`` plus the start character of every token (for message-boundary offsets)."""
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        return encoding.ids, [start for start, _ in encoding.offsets]
+    def tokenize_chat(self, text: str) -> Encoding:
+        """The tokenizer's full answer for a rendered chat prompt: ``.ids`` as ``encode_chat``, and the
+        character ``.offsets`` that hot-prefix promotion reads (only for tenants that opted in)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the BOS token when the model wants one."""

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from tokenizers import Encoding
+
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
@@ -53,6 +55,7 @@ class RenderedPrompt:
     request: ChatRequest | CompletionRequest  # after the prompt steps
     text: str | None  # the rendered chat template or the completion prompt (None: client sent token ids)
     token_ids: list[int]
+    encoding: Encoding | None = None  # the chat prompt's tokenizer output (character offsets)
     num_moved: int = 0  # summed over the prompt steps
     num_reported: int = 0
 
@@ -161,6 +164,7 @@ class RequestPipeline:
     ) -> RenderedPrompt:
         """Prompt steps, chat template, tokenizer: the token ids the worker gets."""
         text: str | None
+        encoding: Encoding | None = None
         num_moved = num_reported = 0
         if isinstance(request, ChatRequest):
             for step in self._prompt_steps:
@@ -174,7 +178,8 @@ class RequestPipeline:
                 text = model.render_chat(request.messages, request.tools)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
-            token_ids = model.encode_chat(text)
+            encoding = model.tokenize_chat(text)
+            token_ids = encoding.ids
         elif isinstance(request.prompt, str):
             text = request.prompt
             token_ids = model.encode_prompt(text)
@@ -186,7 +191,12 @@ class RequestPipeline:
         if not token_ids:
             raise InvalidRequest("the prompt is empty", param="prompt", code="invalid_value")
         return RenderedPrompt(
-            request=request, text=text, token_ids=token_ids, num_moved=num_moved, num_reported=num_reported
+            request=request,
+            text=text,
+            token_ids=token_ids,
+            encoding=encoding,
+            num_moved=num_moved,
+            num_reported=num_reported,
         )
 
     def resolve_sampling(

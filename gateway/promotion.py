@@ -74,7 +74,7 @@ def prompt_boundary_prefixes(model: ModelRuntime, prompt: RenderedPrompt) -> lis
     """The block-aligned message-boundary prefixes of a rendered chat prompt (none for completions,
     or when the chat template reacts to the position markers)."""
     request = prompt.request
-    if not isinstance(request, ChatRequest) or prompt.text is None:
+    if not isinstance(request, ChatRequest) or prompt.text is None or prompt.encoding is None:
         return []
     messages = list(request.messages)
     positions = message_boundary_positions(messages)
@@ -87,7 +87,7 @@ def prompt_boundary_prefixes(model: ModelRuntime, prompt: RenderedPrompt) -> lis
     chars = locate_markers(marked, prompt.text, len(positions))
     if chars is None:
         return []
-    _, token_starts = model.encode_chat_with_offsets(prompt.text)
+    token_starts = [start for start, _ in prompt.encoding.offsets]
     return boundary_prefixes(
         prompt.token_ids,
         char_to_token_offsets(token_starts, chars),
