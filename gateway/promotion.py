@@ -132,7 +132,17 @@ class HotPrefixPromotion:
     @property
     def promoted(self) -> Container[PrefixHash]:
         """Promotions in force on this replica: the SQL snapshot plus its own unsaved ones."""
+        self._prune_pending()
         return _Either(self._cache.promoted_hashes, self._pending)
+
+    def _prune_pending(self) -> None:
+        """Once the snapshot knows a hash (saved here or by another replica, or revoked), it decides.
+        Pruned here rather than after the write: a policy reload that started before the write may
+        still land after it, and the promotion must not blink out in between."""
+        if self._pending:
+            known = self._cache.known_hashes
+            for prefix_hash in [h for h in self._pending if h in known]:
+                del self._pending[prefix_hash]
 
     async def promoted_prefix_tokens(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
@@ -191,12 +201,11 @@ class HotPrefixPromotion:
             try:
                 await self._repository.add(promotion, model=model_id, text=text)
                 await self._cache.reload()
-                break
+                return
             except Exception as exc:
                 log.warning("could not store hot prefix %s yet: %s", promotion.prefix_hash[:16], exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(2 * delay_s, PERSIST_RETRY_MAX_S)
-        self._pending.pop(promotion.prefix_hash, None)
 
     async def forget(self, prefix_hash: PrefixHash) -> None:
         """Drop a revoked prefix's counts (best effort: it stays known, so it is never re-promoted)."""
