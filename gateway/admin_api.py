@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import admin_cache
 from gateway.errors import (
     AuthenticationError,
     ConflictError,
@@ -56,6 +57,8 @@ def _tenant_json(
     salt = request.config_dict[CONFIG].salt_bytes
     body = {"id": policy.tenant_id, "object": "tenant", **asdict(policy)}
     del body["tenant_id"]
+    body["canonicalization_patterns"] = dict(policy.canonicalization_patterns)
+    body["canonicalization_disabled_rules"] = list(policy.canonicalization_disabled_rules)
     body["namespace_id"] = tenant_namespace_id(salt, policy.tenant_id)
     if created_at is not None:
         body["created_at"] = _iso(created_at)
@@ -262,4 +265,5 @@ def create_admin_app() -> web.Application:
     r.add_get("/audit", audit_log)
     r.add_get("/reports/usage", usage_report_handler)
     r.add_get("/workers", workers_status)
+    admin_cache.add_routes(admin)
     return admin

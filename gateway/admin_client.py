@@ -1,4 +1,5 @@
-"""A small synchronous client of the admin API, used by the ``prefixgate tenant|report`` commands."""
+"""A small synchronous client of the admin API, used by the ``prefixgate tenant|report|…`` commands
+(and, with a tenant key, by ``prefixgate lint``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 
 class AdminError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, body: Any = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.body = body  # the JSON error answer, when there was one (a partial purge reports in it)
 
 
 class AdminClient:
@@ -25,7 +27,13 @@ class AdminClient:
         self, method: str, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None
     ) -> Any:
         """JSON (or text for non-JSON answers) of ``method /admin/v1{path}``; raises AdminError."""
-        url = f"{self.base_url}/admin/v1{path}"
+        return self.call(method, "/admin/v1" + path, body, query)
+
+    def call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, query: dict[str, Any] | None = None
+    ) -> Any:
+        """Like ``request`` for any path of the gateway."""
+        url = f"{self.base_url}{path}"
         params = {key: value for key, value in (query or {}).items() if value is not None}
         if params:
             url += "?" + urllib.parse.urlencode(params)
@@ -43,10 +51,11 @@ class AdminClient:
         except urllib.error.HTTPError as exc:
             text = exc.read().decode(errors="replace")
             try:
-                message = json.loads(text)["error"]["message"]
+                answer = json.loads(text)
+                message = answer["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                message = text or exc.reason
-            raise AdminError(exc.code, message) from None
+                answer, message = None, text or exc.reason
+            raise AdminError(exc.code, message, answer) from None
         except urllib.error.URLError as exc:
             raise AdminError(0, f"cannot reach {self.base_url}: {exc.reason}") from None
 

@@ -13,20 +13,26 @@ from aiohttp import web
 
 from gateway import openai_api
 from gateway.admin_api import create_admin_app
+from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
+from gateway.promotion import HotPrefixPromotion
+from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
 from gateway.state import (
+    CANONICALIZER,
     CONFIG,
     ENGINE,
+    HOT_PREFIXES,
     HTTP_SESSION,
     METRICS,
     PIPELINE,
     POLICY_CACHE,
+    PROMOTION,
     RATE_LIMITER,
     REPOSITORY,
     SESSIONMAKER,
@@ -34,8 +40,10 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.workers import WorkerPool
+from policies.promotion import InMemoryPromotionCounter, PromotionCounter, PromotionPolicy
 from tenancy.cache import PolicyCache
 from tenancy.db import create_engine, create_sessionmaker
+from tenancy.hot_prefixes import HotPrefixRepository
 from tenancy.repository import TenantRepository
 from tenancy.spool import UsageSpool
 from tenancy.usage import UsageWriter
@@ -68,6 +76,7 @@ async def database_ctx(app: web.Application) -> AsyncIterator[None]:
         repository,
         cache,
     )
+    app[HOT_PREFIXES] = HotPrefixRepository(sessionmaker)
     try:
         await cache.reload()
     except Exception as exc:  # serve 503 for tenant calls until the database answers
@@ -93,6 +102,31 @@ async def usage_ctx(app: web.Application) -> AsyncIterator[None]:
     await writer.close()
 
 
+async def promotion_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Hot-prefix counters: in this process, or in Redis (shared by replicas) when redis_url is set."""
+    config = app[CONFIG]
+    redis_counter = (
+        RedisPromotionCounter(config.redis_url, salt=config.salt_bytes) if config.redis_url else None
+    )
+    counter: PromotionCounter = redis_counter or InMemoryPromotionCounter()
+    app[PROMOTION] = HotPrefixPromotion(
+        counter=counter,
+        policy=PromotionPolicy(
+            min_hits_per_hour=config.promotion_min_hits, min_tenants=config.promotion_min_tenants
+        ),
+        cache=app[POLICY_CACHE],
+        repository=app[HOT_PREFIXES],
+        salt=config.salt_bytes,
+        metrics=app[METRICS],
+        store_text=config.promotion_store_text,
+        pause_s=config.promotion_pause_s,
+    )
+    yield
+    await app[PROMOTION].close()
+    if redis_counter is not None:
+        await redis_counter.close()
+
+
 async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     session = aiohttp.ClientSession(
@@ -106,6 +140,8 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         salt=config.salt_bytes,
         default_max_tokens=config.default_max_tokens,
         affinity_blocks=config.affinity_blocks,
+        prompt_steps=[app[CANONICALIZER]],
+        promotion=app[PROMOTION],
     )
     app[PIPELINE] = pipeline
     await pool.check_all()
@@ -123,6 +159,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     metrics.workers_healthy.set(sum(s.healthy for s in request.app[WORKER_POOL].workers.values()))
     refreshed = request.app[POLICY_CACHE].last_refresh_monotonic
     metrics.policy_age.set(-1 if refreshed is None else time.monotonic() - refreshed)
+    metrics.hot_prefixes.set(len(request.app[POLICY_CACHE].promoted_hashes))
     body, content_type = metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -140,7 +177,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = GatewayMetrics()
-    app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, workers_ctx])
+    app[CANONICALIZER] = CanonicalizationStep()
+    app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)

@@ -1,4 +1,5 @@
-"""`prefixgate` command line: up, gateway, worker, db upgrade, tenant …, report …, workers, diagnose.
+"""`prefixgate` command line: up, gateway, worker, db upgrade, tenant …, hot-prefixes …, report …, lint,
+workers, diagnose.
 
 The admin commands talk to a running gateway's admin API (``--url`` / ``$PREFIXGATE_URL``, token from
 ``--admin-token`` / ``$PREFIXGATE_ADMIN_TOKEN`` / the data dir's ``admin_token`` file).
@@ -22,6 +23,7 @@ POLICY_OPTIONS = {
     "--isolation": ("isolation", str),
     "--reserved-blocks": ("reserved_blocks", int),
     "--canonicalization": ("canonicalization", str),
+    "--canonicalization-note-role": ("canonicalization_note_role", str),
     "--price-input-per-mtok": ("price_input_per_mtok", float),
     "--price-cached-input-per-mtok": ("price_cached_input_per_mtok", float),
     "--price-output-per-mtok": ("price_output_per_mtok", float),
@@ -36,11 +38,35 @@ def _add_policy_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--share-hot-prefixes", dest="share_hot_prefixes", action=argparse.BooleanOptionalAction, default=None
     )
+    parser.add_argument(
+        "--canonicalization-pattern",
+        dest="canonicalization_patterns",
+        action="append",
+        default=None,
+        metavar="NAME=REGEX",
+        help="tenant fragment pattern (repeatable; replaces the tenant's list; NAME= alone clears it)",
+    )
+    parser.add_argument(
+        "--canonicalization-disable",
+        dest="canonicalization_disabled_rules",
+        action="append",
+        default=None,
+        metavar="RULE",
+        help="built-in fragment rule to turn off (repeatable; replaces the tenant's list; '' clears it)",
+    )
 
 
 def _policy_body(args: argparse.Namespace) -> dict[str, Any]:
     fields = [field for field, _ in POLICY_OPTIONS.values()] + ["share_hot_prefixes"]
-    return {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    body = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    if args.canonicalization_patterns is not None:
+        pairs = [item.partition("=") for item in args.canonicalization_patterns]
+        body["canonicalization_patterns"] = {name: regex for name, _, regex in pairs if regex}
+    if args.canonicalization_disabled_rules is not None:
+        body["canonicalization_disabled_rules"] = [
+            rule for rule in args.canonicalization_disabled_rules if rule
+        ]
+    return body
 
 
 def _server_options(parser: argparse.ArgumentParser, *, port: int = 8080) -> None:
@@ -90,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("name")
     _add_policy_options(create)
     t_sub.add_parser("list", parents=[admin_parent])
-    for name in ("get", "delete", "invalidate", "keys", "add-key", "rotate-key"):
+    for name in ("get", "delete", "invalidate", "purge", "keys", "add-key", "rotate-key"):
         t_sub.add_parser(name, parents=[admin_parent]).add_argument("tenant", help="tenant id or name")
     update = t_sub.add_parser("update", parents=[admin_parent])
     update.add_argument("tenant", help="tenant id or name")
@@ -102,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     audit = t_sub.add_parser("audit", parents=[admin_parent])
     audit.add_argument("--tenant", default=None)
     audit.add_argument("--limit", type=int, default=None)
+
+    hot = sub.add_parser("hot-prefixes", help="promoted hot prefixes through the admin API")
+    h_sub = hot.add_subparsers(dest="hot_command", required=True)
+    h_list = h_sub.add_parser("list", parents=[admin_parent])
+    h_list.add_argument("--all", action="store_true", help="include revoked promotions")
+    for name in ("show", "revoke"):
+        h_sub.add_parser(name, parents=[admin_parent]).add_argument("hot_prefix_id")
+
+    lint = sub.add_parser("lint", help="POST a chat request to /v1/prompt-lint (tenant key)")
+    lint.add_argument("request", help="JSON file of a chat completion request ('-': stdin)")
+    lint.add_argument("--url", default=None, help="gateway URL (default $PREFIXGATE_URL or :8080)")
+    lint.add_argument("--api-key", default=None, help="tenant API key (default $PREFIXGATE_API_KEY)")
+    lint.add_argument("--model", default=None, help="set or override the request's model")
 
     report = sub.add_parser("report", help="usage reports through the admin API")
     r_sub = report.add_subparsers(dest="report_command", required=True)
@@ -147,6 +186,7 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
         "get": ("GET", path),
         "delete": ("DELETE", path),
         "invalidate": ("POST", path + "/invalidate"),
+        "purge": ("POST", path + "/purge"),
         "keys": ("GET", path + "/keys"),
         "add-key": ("POST", path + "/keys"),
         "rotate-key": ("POST", path + "/keys/rotate"),
@@ -154,6 +194,26 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
     if command in simple:
         return client.request(*simple[command])
     return client.request("POST", f"{path}/keys/{args.key_id}/revoke")
+
+
+def _hot_prefix_command(client: AdminClient, args: argparse.Namespace) -> Any:
+    if args.hot_command == "list":
+        return client.request("GET", "/hot-prefixes", query={"include_revoked": "true" if args.all else None})
+    path = f"/hot-prefixes/{args.hot_prefix_id}"
+    return client.request("DELETE" if args.hot_command == "revoke" else "GET", path)
+
+
+def _lint(args: argparse.Namespace) -> Any:
+    """Lint with a tenant key (not the admin token): the answer holds that tenant's prompt text."""
+    raw = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
+    body = json.loads(raw)
+    if args.model:
+        body["model"] = args.model
+    api_key = args.api_key or os.environ.get("PREFIXGATE_API_KEY")
+    if not api_key:
+        raise AdminError(0, "no tenant key: pass --api-key or set PREFIXGATE_API_KEY")
+    url = args.url or os.environ.get("PREFIXGATE_URL") or "http://127.0.0.1:8080"
+    return AdminClient(url, api_key, timeout_s=60).call("POST", "/v1/prompt-lint", body)
 
 
 def _diagnose(client: AdminClient) -> dict[str, Any]:
@@ -215,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             upgrade_database(config.resolved_database_url)
             print("database is at the latest revision")
             return 0
+        if args.command == "lint":
+            _print(_lint(args))
+            return 0
         client = _admin_client(args)
-        if args.command == "tenant":
+        if args.command == "hot-prefixes":
+            _print(_hot_prefix_command(client, args))
+        elif args.command == "tenant":
             _print(_tenant_command(client, args))
         elif args.command == "report":
             tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
@@ -239,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             _print(_diagnose(client))
         return 0
     except AdminError as exc:
+        if isinstance(exc.body, dict) and set(exc.body) - {"error"}:
+            _print(exc.body)  # e.g. a partial purge: what each worker answered
         print(f"prefixgate: {exc}", file=sys.stderr)
         return 1
 

@@ -33,7 +33,7 @@ class GatewayConfig:
     usage_flush_s: float = 0.5
     usage_batch_max: int = 512
     usage_spool_path: Path | None = None  # None: usage-spool.jsonl in the data dir
-    redis_url: str | None = None  # shared rate-limit counters between replicas (None: per replica)
+    redis_url: str | None = None  # rate-limit and hot-prefix counters shared by replicas (None: per replica)
     router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     worker_health_interval_s: float = 2.0
@@ -41,6 +41,11 @@ class GatewayConfig:
     price_input_per_mtok: float = 1.0  # defaults for tenants without their own prices
     price_cached_input_per_mtok: float = 0.1
     price_output_per_mtok: float = 2.0
+    promotion_min_hits: int = 1000  # hot-prefix promotion: hits per hour (PREFIXGATE_PROMOTION_MIN_HITS)
+    promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 2 if set lower)
+    promotion_store_text: bool = True  # keep a promoted prefix's text for admins (GET …/hot-prefixes/{id})
+    promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
+    purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
     log_level: str = "INFO"
 
     @property

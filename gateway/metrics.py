@@ -51,6 +51,31 @@ class GatewayMetrics:
             "prefixgate_usage_pending", "Usage records waiting for the next batch write", registry=r
         )
         self.workers_healthy = Gauge("prefixgate_workers_healthy", "Healthy workers", registry=r)
+        self.canonicalization_fragments = Counter(
+            "prefixgate_canonicalization_fragments",
+            "Dynamic fragments moved out of the cacheable prefix (mode on) or found (mode report)",
+            ["tenant", "action"],
+            registry=r,
+        )
+        self.promotions = Counter(
+            "prefixgate_hot_prefix_promotions", "Hot prefixes promoted by this replica", registry=r
+        )
+        self.promotion_errors = Counter(
+            "prefixgate_promotion_counter_errors",
+            "Hot-prefix counter failures (promotion pauses, requests are served as usual)",
+            registry=r,
+        )
+        self.hot_prefixes = Gauge("prefixgate_hot_prefixes", "Promoted hot prefixes in force", registry=r)
+        self.promoted_prefix_tokens = Counter(
+            "prefixgate_promoted_prefix_tokens",
+            "Cached prompt tokens that came from a promoted (global) hot prefix",
+            ["tenant"],
+            registry=r,
+        )
+        self.purges = Counter("prefixgate_purges", "Tenant purges", ["outcome"], registry=r)
+        self.purged_blocks = Counter(
+            "prefixgate_purged_blocks", "KV blocks erased by tenant purges", ["tier"], registry=r
+        )
         self.policy_age = Gauge(
             "prefixgate_policy_snapshot_age_seconds",
             "Seconds since the policy cache was last checked",

@@ -17,7 +17,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 
 class TemplateError(ValueError):
@@ -116,16 +116,21 @@ class ModelRuntime:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text of a conversation, ending with the assistant's generation prompt."""
+        """The prompt text of a conversation, ending with the assistant's generation prompt unless
+        ``add_generation_prompt`` is false (the prompt lint measures the conversation alone)."""
         if self._template is None:
             raise TemplateError(f"model {self.model_id!r} has no chat template; use /v1/completions")
         try:
             return self._template.render(
                 messages=messages,
                 tools=tools or None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.info.bos_token or "",
                 eos_token=self.info.eos_token or "",
             )
@@ -137,6 +142,11 @@ class ModelRuntime:
     def encode_chat(self, text: str) -> list[int]:
         """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokenize_chat(self, text: str) -> Encoding:
+        """The tokenizer's full answer for a rendered chat prompt: ``.ids`` as ``encode_chat``, and the
+        character ``.offsets`` that hot-prefix promotion reads (only for tenants that opted in)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the BOS token when the model wants one."""

@@ -13,13 +13,23 @@ from aiohttp import web
 
 from gateway import openai_format
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
+from gateway.metrics import GatewayMetrics
 from gateway.pipeline import PreparedRequest, new_request_id
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
-from gateway.state import METRICS, PIPELINE, POLICY_CACHE, RATE_LIMITER, USAGE_WRITER, WORKER_POOL
+from gateway.state import (
+    CANONICALIZER,
+    METRICS,
+    PIPELINE,
+    POLICY_CACHE,
+    RATE_LIMITER,
+    USAGE_WRITER,
+    WORKER_POOL,
+)
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import UsageEvent
 
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved out of the prefix
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -54,6 +64,7 @@ class TenantCall:
     status: int = 200
     num_prompt_tokens: int = 0  # known before the worker answers
     usage: dict[str, Any] | None = None  # the worker's usage, when it answered
+    prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
 
 
 @contextlib.asynccontextmanager
@@ -62,8 +73,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
     call = TenantCall(tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint))
     started = time.perf_counter()
     try:
-        if not await request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
-            raise RateLimited(f"rate limit of {tenant.rate_limit_rpm} requests per minute reached")
+        await check_rate_limit(request, tenant)
         yield call
     except APIError as exc:
         call.status = exc.status
@@ -76,6 +86,24 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         raise
     finally:
         _record(request, call, time.perf_counter() - started)
+
+
+async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> None:
+    if not await request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
+        raise RateLimited(f"rate limit of {tenant.rate_limit_rpm} requests per minute reached")
+
+
+def _record_prompt_work(
+    metrics: GatewayMetrics, tenant: str, prepared: PreparedRequest, cached_tokens: int
+) -> None:
+    """Canonicalization and promotion counters of one request."""
+    if prepared.num_canonicalized:
+        metrics.canonicalization_fragments.labels(tenant, "moved").inc(prepared.num_canonicalized)
+    if prepared.num_reported:
+        metrics.canonicalization_fragments.labels(tenant, "reported").inc(prepared.num_reported)
+    if prepared.promoted_prefix_tokens and cached_tokens:
+        # Reuse runs from the start of the prompt, so the promoted part is reused first.
+        metrics.promoted_prefix_tokens.labels(tenant).inc(min(cached_tokens, prepared.promoted_prefix_tokens))
 
 
 def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
@@ -103,6 +131,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
     metrics.saved_prefill_seconds.labels(tenant).inc(event.saved_prefill_ms / 1000)
     for tier, count in by_tier.items():
         metrics.cached_tokens.labels(tenant, tier).inc(count)
+    if call.prepared is not None:
+        _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
 
 
 Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]
@@ -114,14 +144,21 @@ async def _serve(
     pipeline = request.config_dict[PIPELINE]
     call.model = parsed.model
     started = time.perf_counter()
-    prepared = pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
+    prepared = await pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
     request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
+    call.prepared = prepared
     if prepared.stream:
         return await _stream(request, call, prepared)
     result = await pipeline.generate(prepared)
     call.usage = result.get("usage")
-    return openai_format.json_response(formatter(prepared, result))
+    return openai_format.json_response(formatter(prepared, result), headers=_headers(prepared))
+
+
+def _headers(prepared: PreparedRequest) -> dict[str, str]:
+    if prepared.endpoint != "chat.completions":
+        return {}
+    return {CANONICALIZED_HEADER: str(prepared.num_canonicalized)}
 
 
 async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
@@ -129,7 +166,7 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
     async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
         event = await anext(events, None)  # errors before the first token are plain HTTP errors
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(prepared)}
         )
         await response.prepare(request)
         first = writer.first()
@@ -161,6 +198,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with tenant_call(request, "completions") as call:
         parsed = parse_completion(await read_json(await request.read()))
         return await _serve(request, call, parsed, openai_format.completion)
+
+
+async def prompt_lint(request: web.Request) -> web.Response:
+    """What canonicalization would change in a chat request, and the prompt tokens of reuse it costs.
+    Rate-limited like any tenant call; not billed (no usage record)."""
+    tenant = authenticate(request)
+    await check_rate_limit(request, tenant)
+    parsed = parse_chat(await read_json(await request.read()))
+    model = request.config_dict[PIPELINE].resolve_model(parsed.model)
+    return openai_format.json_response(request.config_dict[CANONICALIZER].lint(tenant, model, parsed))
 
 
 def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:
@@ -203,6 +250,7 @@ async def healthz(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/prompt-lint", prompt_lint)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/healthz", healthz)

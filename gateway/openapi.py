@@ -83,6 +83,10 @@ _USAGE = {
                 "prefill_ms": {"type": "number"},
                 "estimated_saved_prefill_ms": {"type": "number"},
                 "isolation": {"type": "string"},
+                "promoted_prefix_tokens": {
+                    "type": "integer",
+                    "description": "prompt tokens hashed in the global namespace as a promoted hot prefix",
+                },
             },
             "additionalProperties": True,
         },
@@ -94,6 +98,18 @@ _POLICY_PROPS: dict[str, Any] = {
     "isolation": {"type": "string", "enum": ["shared", "namespace", "dedicated"], "default": "namespace"},
     "reserved_blocks": {"type": "integer", "minimum": 0},
     "canonicalization": {"type": "string", "enum": ["on", "report", "off"], "default": "report"},
+    "canonicalization_patterns": {
+        "type": "object",
+        "additionalProperties": {"type": "string", "maxLength": 256},
+        "maxProperties": 16,
+        "description": "extra fragment patterns, name -> regular expression (bounded repeats only)",
+    },
+    "canonicalization_disabled_rules": {
+        "type": "array",
+        "items": {"type": "string"},
+        "description": "built-in fragment rules turned off",
+    },
+    "canonicalization_note_role": {"type": "string", "enum": ["user", "system", "developer"]},
     "share_hot_prefixes": {"type": "boolean", "default": False},
     "price_input_per_mtok": {"type": ["number", "null"]},
     "price_cached_input_per_mtok": {"type": ["number", "null"]},
@@ -152,6 +168,12 @@ def openapi_spec() -> dict[str, Any]:
             "post": _op("Chat completion (JSON or SSE stream)", body="ChatCompletionRequest")
         },
         "/v1/completions": {"post": _op("Text completion (JSON or SSE stream)", body="CompletionRequest")},
+        "/v1/prompt-lint": {
+            "post": _op(
+                "What canonicalization would change in a chat request and the reuse it costs",
+                body="ChatCompletionRequest",
+            )
+        },
         "/v1/models": {"get": _op("Models served by the workers")},
         "/v1/models/{model}": {"get": _op("One model", params=[_path_param("model")])},
         "/healthz": {
@@ -174,6 +196,25 @@ def openapi_spec() -> dict[str, Any]:
             "post": _op(
                 "Bump the tenant epoch: its next request reuses nothing", params=[tid], security=admin
             )
+        },
+        "/admin/v1/tenants/{tenant_id}/purge": {
+            "post": _op(
+                "Erase the tenant's cached KV from every tier of every worker (and bump its epoch); "
+                "502 with per-worker results when a worker did not answer",
+                params=[tid],
+                security=admin,
+            )
+        },
+        "/admin/v1/hot-prefixes": {
+            "get": _op(
+                "Promoted hot prefixes (hash, tokens, hits, tenant count; never tenants or text)",
+                security=admin,
+                params=[_query("include_revoked", {"type": "boolean"})],
+            )
+        },
+        "/admin/v1/hot-prefixes/{hot_prefix_id}": {
+            "get": _op("One promotion, with its text", params=[_path_param("hot_prefix_id")], security=admin),
+            "delete": _op("Revoke a promotion", params=[_path_param("hot_prefix_id")], security=admin),
         },
         "/admin/v1/tenants/{tenant_id}/keys": {
             "get": _op("List keys (metadata only)", params=[tid], security=admin),

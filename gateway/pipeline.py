@@ -1,11 +1,11 @@
 """The request pipeline: what happens between an authenticated request and the worker.
 
-    parse → [prompt steps: canonicalization slots in here] → render chat template → tokenize
-          → context-window check → namespace segments ([promotion: promoted-prefix length]) → route
+    parse → prompt steps (canonicalization) → render chat template → tokenize → context-window check
+          → promoted-prefix length (hot-prefix promotion) → namespace segments → route
           → worker payload → generate (non-stream or stream, cancelled when the client goes away)
 
-Each step is a plain method or a pluggable object so later issues add canonicalization (a
-``PromptStep``) and hot-prefix promotion (a ``PromotionLookup``) without touching the handlers.
+Each step is a plain method or a pluggable object: canonicalization is a ``PromptStep``
+(``gateway.canonicalization``), hot-prefix promotion a ``PromotionLookup`` (``gateway.promotion``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
+
+from tokenizers import Encoding
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
 from gateway.model import ModelRuntime, TemplateError
@@ -31,10 +33,19 @@ from tenancy.policy import TenantPolicy
 log = logging.getLogger(__name__)
 
 
-class PromptStep(Protocol):
-    """Rewrites a chat request before rendering (the canonicalization issue's seam)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromptEdit:
+    """What a prompt step made of a chat request."""
 
-    def apply(self, tenant: TenantPolicy, request: ChatRequest) -> ChatRequest: ...
+    request: ChatRequest
+    num_moved: int = 0  # dynamic fragments moved to the trailing note (x-prefixgate-canonicalized)
+    num_reported: int = 0  # fragments found but left in place (canonicalization "report")
+
+
+class PromptStep(Protocol):
+    """Rewrites a chat request before rendering (canonicalization)."""
+
+    def apply(self, tenant: TenantPolicy, request: ChatRequest) -> PromptEdit: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,23 +55,27 @@ class RenderedPrompt:
     request: ChatRequest | CompletionRequest  # after the prompt steps
     text: str | None  # the rendered chat template or the completion prompt (None: client sent token ids)
     token_ids: list[int]
+    encoding: Encoding | None = None  # the chat prompt's tokenizer output (character offsets)
+    num_moved: int = 0  # summed over the prompt steps
+    num_reported: int = 0
 
 
 class PromotionLookup(Protocol):
-    """Length in tokens (block-aligned) of a promoted global prefix of this prompt (promotion issue).
+    """Length in tokens (block-aligned) of a promoted global prefix of this prompt.
 
     Gets the rendered prompt so it can find message boundaries (``policies.chat_text``) and the
-    boundary prefixes' global-form hashes (``policies.promotion.boundary_prefixes``).
+    boundary prefixes' global-form hashes (``policies.promotion.boundary_prefixes``); it may count the
+    request towards promotions on the way (async: the counters may live in Redis).
     """
 
-    def promoted_prefix_tokens(
+    async def promoted_prefix_tokens(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
     ) -> int: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoPromotion:
-    def promoted_prefix_tokens(
+    async def promoted_prefix_tokens(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
     ) -> int:
         return 0
@@ -78,6 +93,9 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     worker_url: str
+    num_canonicalized: int = 0  # fragments moved (the x-prefixgate-canonicalized header)
+    num_reported: int = 0  # fragments found and left in place ("report" mode)
+    promoted_prefix_tokens: int = 0  # tokens hashed in the global namespace as a promoted hot prefix
 
     def worker_payload(self) -> dict[str, Any]:
         s = self.sampling
@@ -146,14 +164,22 @@ class RequestPipeline:
     ) -> RenderedPrompt:
         """Prompt steps, chat template, tokenizer: the token ids the worker gets."""
         text: str | None
+        encoding: Encoding | None = None
+        num_moved = num_reported = 0
         if isinstance(request, ChatRequest):
             for step in self._prompt_steps:
-                request = step.apply(tenant, request)
+                edit = step.apply(tenant, request)
+                request, num_moved, num_reported = (
+                    edit.request,
+                    num_moved + edit.num_moved,
+                    num_reported + edit.num_reported,
+                )
             try:
                 text = model.render_chat(request.messages, request.tools)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
-            token_ids = model.encode_chat(text)
+            encoding = model.tokenize_chat(text)
+            token_ids = encoding.ids
         elif isinstance(request.prompt, str):
             text = request.prompt
             token_ids = model.encode_prompt(text)
@@ -164,7 +190,14 @@ class RequestPipeline:
                 raise InvalidRequest("prompt contains token ids outside the vocabulary", param="prompt")
         if not token_ids:
             raise InvalidRequest("the prompt is empty", param="prompt", code="invalid_value")
-        return RenderedPrompt(request=request, text=text, token_ids=token_ids)
+        return RenderedPrompt(
+            request=request,
+            text=text,
+            token_ids=token_ids,
+            encoding=encoding,
+            num_moved=num_moved,
+            num_reported=num_reported,
+        )
 
     def resolve_sampling(
         self, tenant: TenantPolicy, model: ModelRuntime, sampling: SamplingParams, num_prompt_tokens: int
@@ -194,18 +227,16 @@ class RequestPipeline:
             requested = min(self._default_max_tokens, room, tenant.max_tokens_limit or room)
         return replace(sampling, max_tokens=requested)
 
-    def segments(
-        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
-    ) -> list[NamespaceSegment]:
-        """Namespace segments derived server-side from the authenticated tenant only."""
-        promoted = self._promotion.promoted_prefix_tokens(tenant, model, prompt)
+    def segments(self, tenant: TenantPolicy, *, promoted_prefix_tokens: int = 0) -> list[NamespaceSegment]:
+        """Namespace segments derived server-side from the authenticated tenant (and the promotions
+        in force) only."""
         return namespace_segments(
             level=tenant.isolation,
             salt=self._salt,
             tenant_id=tenant.tenant_id,
             epoch=tenant.epoch,
             reserved_blocks=tenant.reserved_blocks,
-            promoted_prefix_tokens=promoted,
+            promoted_prefix_tokens=promoted_prefix_tokens,
         )
 
     def route(
@@ -229,7 +260,7 @@ class RequestPipeline:
                 affinity = block_hashes(head, model.block_size, model.fingerprint, segments)[-1]
         return self._router.choose(RouteRequest(affinity_key=affinity, candidates=candidates))
 
-    def prepare(
+    async def prepare(
         self,
         tenant: TenantPolicy,
         request: ChatRequest | CompletionRequest,
@@ -241,7 +272,8 @@ class RequestPipeline:
         prompt = self.render(tenant, request, model)
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
-        segments = self.segments(tenant, model, prompt)
+        promoted = await self._promotion.promoted_prefix_tokens(tenant, model, prompt)
+        segments = self.segments(tenant, promoted_prefix_tokens=promoted)
         worker_url = self.route(model, token_ids, segments, request.prompt_cache_key)
         return PreparedRequest(
             request_id=request_id,
@@ -254,6 +286,9 @@ class RequestPipeline:
             stream=request.stream,
             include_usage=request.include_usage,
             worker_url=worker_url,
+            num_canonicalized=prompt.num_moved,
+            num_reported=prompt.num_reported,
+            promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
         )
 
     def _abort_later(self, prepared: PreparedRequest) -> None:

@@ -6,12 +6,15 @@ import aiohttp
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import RequestPipeline
+from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
 from gateway.workers import WorkerPool
 from tenancy.cache import PolicyCache
+from tenancy.hot_prefixes import HotPrefixRepository
 from tenancy.repository import TenantRepository
 from tenancy.usage import UsageWriter
 
@@ -26,3 +29,6 @@ USAGE_WRITER = web.AppKey("usage_writer", UsageWriter)
 HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
 WORKER_POOL = web.AppKey("worker_pool", WorkerPool)
 PIPELINE = web.AppKey("pipeline", RequestPipeline)
+CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
+HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
+PROMOTION = web.AppKey("promotion", HotPrefixPromotion)

@@ -167,7 +167,8 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
             repo = app[REPOSITORY]
             api_key = None
             if await repo.find_by_name("demo") is None:
-                _, new_key = await repo.create_tenant({"name": "demo"})
+                # The demo shows canonicalization at work: timestamps and ids leave the prefix.
+                _, new_key = await repo.create_tenant({"name": "demo", "canonicalization": "on"})
                 api_key = new_key.api_key
                 await app[POLICY_CACHE].reload()
             print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)

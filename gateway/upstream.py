@@ -92,6 +92,18 @@ class WorkerClient:
         except aiohttp.ClientError as exc:
             raise Unavailable(f"worker unreachable: {exc.__class__.__name__}") from exc
 
+    async def purge(self, namespace_id: str, *, timeout_s: float = 120.0) -> dict[str, int]:
+        """Erase a namespace from every tier of this worker; blocks erased per tier. Raises on failure."""
+        async with self._session.post(
+            self.url + "/v1/purge",
+            data=_dumps({"namespace_id": namespace_id}),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5),
+            headers={"Content-Type": "application/json"},
+        ) as response:
+            await _raise_for_worker_error(response)
+            erased = (await _read_json(response)).get("blocks_erased") or {}
+            return {str(tier): int(count) for tier, count in erased.items()}
+
     async def abort(self, request_id: str) -> bool:
         try:
             async with self._session.post(

@@ -307,7 +307,8 @@ class InMemoryPromotionCounter:
     """``PromotionCounter`` for a single gateway, over a ``SlidingWindowCounter``."""
 
     def __init__(self, window: SlidingWindowCounter | None = None) -> None:
-        self.window = window or SlidingWindowCounter()
+        # Not `window or …`: an empty counter has len() 0, so a configured window would be dropped.
+        self.window = window if window is not None else SlidingWindowCounter()
 
     async def record(
         self, prefix_hashes: Sequence[PrefixHash], tenant_tag: TenantTag, now: float

@@ -1,4 +1,5 @@
-"""In-memory policy cache: the hot path authenticates and reads policy without touching SQL.
+"""In-memory policy cache: the hot path authenticates, reads policy and promoted hot prefixes without
+touching SQL.
 
 Each replica polls the one-row policy version (bumped by every admin change) every ``refresh_s`` and
 reloads the whole snapshot when it moved, so an admin change made on any replica reaches all within
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import time
 
+from policies.promotion import PrefixHash
 from tenancy.keys import hash_api_key
 from tenancy.policy import TenantPolicy
 from tenancy.repository import PolicySnapshot, TenantRepository
@@ -40,6 +42,18 @@ class PolicyCache:
     def get(self, tenant_id: str) -> TenantPolicy | None:
         snapshot = self._snapshot
         return None if snapshot is None else snapshot.tenants.get(tenant_id)
+
+    @property
+    def promoted_hashes(self) -> frozenset[PrefixHash]:
+        """Hot prefixes in force (hashed in the global namespace for opted-in tenants)."""
+        snapshot = self._snapshot
+        return frozenset() if snapshot is None else snapshot.promoted_hashes
+
+    @property
+    def known_hashes(self) -> frozenset[PrefixHash]:
+        """Hot prefixes promoted or revoked: counters never propose them again."""
+        snapshot = self._snapshot
+        return frozenset() if snapshot is None else snapshot.known_hashes
 
     def tenants(self) -> dict[str, TenantPolicy]:
         snapshot = self._snapshot

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2.0 typed ORM: tenants, API keys, the admin audit log and usage records.
+"""SQLAlchemy 2.0 typed ORM: tenants, API keys, the admin audit log, hot prefixes and usage records.
 
 Only a SHA-256 hash of an API key is stored. Usage records keep the tenant id as plain text (no
 foreign key) so that billing history survives the deletion of a tenant.
@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -43,6 +44,10 @@ class Tenant(Base):
     isolation: Mapped[str] = mapped_column(String(20), default="namespace")
     reserved_blocks: Mapped[int] = mapped_column(Integer, default=0)  # dedicated quota per tier
     canonicalization: Mapped[str] = mapped_column(String(10), default="report")  # on|report|off
+    # Extra fragment patterns (name -> regex), built-in rules turned off, role of the trailing note.
+    canonicalization_patterns: Mapped[dict] = mapped_column(JSON, default=dict)
+    canonicalization_disabled_rules: Mapped[list] = mapped_column(JSON, default=list)
+    canonicalization_note_role: Mapped[str] = mapped_column(String(20), default="user")
     share_hot_prefixes: Mapped[bool] = mapped_column(Boolean, default=False)
     epoch: Mapped[int] = mapped_column(Integer, default=0)  # bumped by `invalidate`: fresh namespace key
     price_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: default
@@ -98,6 +103,26 @@ class AuditLog(Base):
     action: Mapped[str] = mapped_column(String(50))
     tenant_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     details: Mapped[dict] = mapped_column(JSON, default=dict)  # never holds keys or tokens
+
+
+class HotPrefix(Base):
+    """A promoted hot prefix: hashed in the global namespace for every opted-in tenant.
+
+    Never records which tenants sent it. ``text`` (optional) is shown to an admin only on request by id.
+    A revoked row stays, so that the prefix is not promoted straight back.
+    """
+
+    __tablename__ = "hot_prefixes"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # "hp_" + random hex
+    prefix_hash: Mapped[str] = mapped_column(String(64), unique=True)  # global-form hash, hex
+    model: Mapped[str] = mapped_column(String(200))  # model id it was seen with (the hash covers it)
+    num_tokens: Mapped[int] = mapped_column(Integer)  # block-aligned prefix length
+    hits_per_hour: Mapped[int] = mapped_column(Integer)  # at promotion
+    num_tenants: Mapped[int] = mapped_column(Integer)  # distinct tenants at promotion (capped)
+    promoted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    text: Mapped[str | None] = mapped_column(Text, nullable=True)  # the decoded prefix, if stored
 
 
 class UsageRecord(Base):

@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from policies.canonicalize import MODES, NOTE_ROLES, CanonicalizationPolicy
 from policies.isolation import DEFAULT_ISOLATION, ISOLATION_LEVELS
 from tenancy.models import Tenant
 
-CANONICALIZATION_MODES = ("on", "report", "off")
+CANONICALIZATION_MODES = tuple(MODES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,8 +21,12 @@ class TenantPolicy:
     name: str
     isolation: str = DEFAULT_ISOLATION  # a key of policies.isolation.ISOLATION_LEVELS
     reserved_blocks: int = 0  # dedicated quota, forwarded as the segment's reserved_blocks
-    canonicalization: str = "report"  # on|report|off (used by the canonicalization issue)
-    share_hot_prefixes: bool = False  # opt-in to promoted global prefixes (promotion issue)
+    canonicalization: str = "report"  # on|report|off (policies.canonicalize.MODES)
+    # Extra fragment patterns as (name, regex) pairs, in the order the admin gave them.
+    canonicalization_patterns: tuple[tuple[str, str], ...] = ()
+    canonicalization_disabled_rules: tuple[str, ...] = ()  # built-in rules turned off
+    canonicalization_note_role: str = "user"  # role of the trailing note of moved values
+    share_hot_prefixes: bool = False  # opt-in to promoted global prefixes (and to feed their counters)
     epoch: int = 0
     price_input_per_mtok: float | None = None
     price_cached_input_per_mtok: float | None = None
@@ -37,6 +42,9 @@ class TenantPolicy:
             isolation=tenant.isolation,
             reserved_blocks=tenant.reserved_blocks,
             canonicalization=tenant.canonicalization,
+            canonicalization_patterns=tuple((tenant.canonicalization_patterns or {}).items()),
+            canonicalization_disabled_rules=tuple(tenant.canonicalization_disabled_rules or ()),
+            canonicalization_note_role=tenant.canonicalization_note_role,
             share_hot_prefixes=tenant.share_hot_prefixes,
             epoch=tenant.epoch,
             price_input_per_mtok=tenant.price_input_per_mtok,
@@ -83,6 +91,8 @@ def _check(name: str, value: Any) -> Any:
         if value not in CANONICALIZATION_MODES:
             raise PolicyError(f"'canonicalization' must be one of {list(CANONICALIZATION_MODES)}", name)
         return value
+    if name.startswith("canonicalization_"):
+        return _check_canonicalization(name, value)
     if name == "share_hot_prefixes":
         if not isinstance(value, bool):
             raise PolicyError("'share_hot_prefixes' must be a boolean", name)
@@ -95,6 +105,39 @@ def _check(name: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PolicyError(f"'{name}' must be a non-negative integer", name)
     return value
+
+
+def _check_canonicalization(name: str, value: Any) -> Any:
+    """Tenant canonicalization settings, checked by the same code that compiles them per request
+    (patterns are judged for catastrophic backtracking before they are ever run)."""
+    try:
+        if name == "canonicalization_patterns":
+            if not isinstance(value, dict):
+                raise ValueError(
+                    "'canonicalization_patterns' must be an object of name -> regular expression"
+                )
+            CanonicalizationPolicy.from_tenant(patterns=value)
+            return dict(value)
+        if name == "canonicalization_disabled_rules":
+            if not isinstance(value, list) or not all(isinstance(rule, str) for rule in value):
+                raise ValueError("'canonicalization_disabled_rules' must be a list of rule names")
+            CanonicalizationPolicy.from_tenant(disabled_rules=value)
+            return sorted(set(value))
+        if value not in NOTE_ROLES:
+            raise ValueError(f"'canonicalization_note_role' must be one of {list(NOTE_ROLES)}")
+        return value
+    except ValueError as exc:
+        raise PolicyError(str(exc), name) from None
+
+
+def canonicalization_policy(policy: TenantPolicy) -> CanonicalizationPolicy:
+    """The tenant's compiled canonicalization policy (validated when stored; cache the result)."""
+    return CanonicalizationPolicy.from_tenant(
+        mode=policy.canonicalization,
+        patterns=dict(policy.canonicalization_patterns),
+        disabled_rules=policy.canonicalization_disabled_rules,
+        note_role=policy.canonicalization_note_role,
+    )
 
 
 def validate_policy_fields(body: Mapping[str, Any], *, require_name: bool) -> dict[str, Any]:

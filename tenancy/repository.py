@@ -13,8 +13,9 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from policies.promotion import PrefixHash
 from tenancy.keys import hash_api_key, key_display_prefix, new_api_key, new_id
-from tenancy.models import ApiKey, AuditLog, PolicyVersion, Tenant
+from tenancy.models import ApiKey, AuditLog, HotPrefix, PolicyVersion, Tenant
 from tenancy.policy import TenantPolicy, validate_policy_fields
 
 
@@ -50,10 +51,23 @@ class PolicySnapshot:
     marker: int
     tenants: Mapping[str, TenantPolicy]  # tenant_id -> policy
     key_hash_to_tenant_id: Mapping[str, str]
+    promoted_hashes: frozenset[PrefixHash] = frozenset()  # hot prefixes in force
+    known_hashes: frozenset[PrefixHash] = frozenset()  # promoted or revoked: never proposed again
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+async def record_change(
+    session: AsyncSession, actor: str, action: str, tenant_id: str | None, details: dict
+) -> None:
+    """Log the change and bump the policy version (its row lock orders concurrent admin changes, so
+    the version grows in commit order and a replica that saw version v has every change up to v)."""
+    await session.execute(
+        update(PolicyVersion).where(PolicyVersion.id == 1).values(version=PolicyVersion.version + 1)
+    )
+    session.add(AuditLog(at=_now(), actor=actor, action=action, tenant_id=tenant_id, details=details))
 
 
 def _key_info(key: ApiKey) -> KeyInfo:
@@ -72,14 +86,7 @@ class TenantRepository:
         self._actor = actor
 
     async def _audit(self, session: AsyncSession, action: str, tenant_id: str | None, details: dict) -> None:
-        """Log the change and bump the policy version (its row lock orders concurrent admin changes, so
-        the version grows in commit order and a replica that saw version v has every change up to v)."""
-        await session.execute(
-            update(PolicyVersion).where(PolicyVersion.id == 1).values(version=PolicyVersion.version + 1)
-        )
-        session.add(
-            AuditLog(at=_now(), actor=self._actor, action=action, tenant_id=tenant_id, details=details)
-        )
+        await record_change(session, self._actor, action, tenant_id, details)
 
     @staticmethod
     def _add_key(session: AsyncSession, tenant_id: str) -> NewKey:
@@ -169,6 +176,12 @@ class TenantRepository:
             await session.commit()
         return int(epoch or 0)
 
+    async def record_purge(self, tenant_id: str, details: dict) -> None:
+        """Audit a purge of the tenant's cached KV (the fan-out to workers happens in the gateway)."""
+        async with self._sessionmaker() as session:
+            await self._audit(session, "tenant.purge", tenant_id, details)
+            await session.commit()
+
     async def list_keys(self, tenant_id: str) -> list[KeyInfo]:
         async with self._sessionmaker() as session:
             await self._get_row(session, tenant_id)
@@ -221,7 +234,7 @@ class TenantRepository:
             return int(await session.scalar(select(PolicyVersion.version).where(PolicyVersion.id == 1)) or 0)
 
     async def load_snapshot(self) -> PolicySnapshot:
-        """All tenants and live keys, read in one transaction together with the change marker."""
+        """All tenants, live keys and hot prefixes, read in one transaction with the change marker."""
         async with self._sessionmaker() as session, session.begin():
             # The version is read first: a change committed after it only causes one extra reload.
             marker = int(
@@ -232,4 +245,11 @@ class TenantRepository:
                 select(ApiKey.key_hash, ApiKey.tenant_id).where(ApiKey.revoked_at.is_(None))
             )
             key_map = {key_hash: tenant_id for key_hash, tenant_id in keys if tenant_id in tenants}
-        return PolicySnapshot(marker=marker, tenants=tenants, key_hash_to_tenant_id=key_map)
+            hot = (await session.execute(select(HotPrefix.prefix_hash, HotPrefix.revoked_at))).all()
+        return PolicySnapshot(
+            marker=marker,
+            tenants=tenants,
+            key_hash_to_tenant_id=key_map,
+            promoted_hashes=frozenset(PrefixHash(h) for h, revoked_at in hot if revoked_at is None),
+            known_hashes=frozenset(PrefixHash(h) for h, _ in hot),
+        )

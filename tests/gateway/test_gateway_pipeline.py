@@ -2,7 +2,7 @@
 
 import aiohttp
 
-from gateway.pipeline import PreparedRequest, RenderedPrompt, RequestPipeline
+from gateway.pipeline import PreparedRequest, RequestPipeline
 from gateway.routing import RendezvousRouter
 from gateway.schemas import SamplingParams
 from gateway.workers import WorkerPool
@@ -22,27 +22,36 @@ async def pipeline() -> tuple[RequestPipeline, aiohttp.ClientSession]:
 
 async def test_segments_per_isolation_level():
     pipe, session = await pipeline()
-    ids = RenderedPrompt(request=None, text=None, token_ids=list(range(100)))
-    namespace = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", reserved_blocks=9), None, ids)
+    namespace = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", reserved_blocks=9))
     assert len(namespace) == 1 and namespace[0].reserved_blocks == 0  # quotas are for dedicated only
     assert namespace[0].namespace_id == tenant_namespace_id(SALT, "tn_a")
     assert namespace[0].key == tenant_namespace_key(SALT, "tn_a", 0)
 
-    bumped = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", epoch=1), None, ids)
+    bumped = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a", epoch=1))
     assert bumped[0].key != namespace[0].key and bumped[0].namespace_id == namespace[0].namespace_id
 
-    other = pipe.segments(TenantPolicy(tenant_id="tn_b", name="b"), None, ids)
+    other = pipe.segments(TenantPolicy(tenant_id="tn_b", name="b"))
     assert other[0].key != namespace[0].key
 
     dedicated = pipe.segments(
-        TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=9), None, ids
+        TenantPolicy(tenant_id="tn_d", name="d", isolation="dedicated", reserved_blocks=9),
+        promoted_prefix_tokens=64,
     )
-    assert dedicated[0].reserved_blocks == 9
+    assert len(dedicated) == 1 and dedicated[0].reserved_blocks == 9  # never reads promoted prefixes
 
     shared = [
-        pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), None, ids) for t in ("x", "y")
+        pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), promoted_prefix_tokens=64)
+        for t in ("x", "y")
     ]
     assert shared[0] == shared[1] and shared[0][0].namespace_id == GLOBAL_NAMESPACE_ID
+    assert len(shared[0]) == 1
+
+    promoted = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a"), promoted_prefix_tokens=64)
+    assert [(s.start_token, s.namespace_id) for s in promoted] == [
+        (0, GLOBAL_NAMESPACE_ID),
+        (64, tenant_namespace_id(SALT, "tn_a")),
+    ]
+    assert promoted[1].key == namespace[0].key
     await session.close()
 
 
@@ -58,7 +67,7 @@ async def test_worker_payload_carries_segments_and_sampling():
         tenant=tenant,
         model=None,
         prompt_token_ids=[1, 2, 3],
-        segments=pipe.segments(tenant, None, RenderedPrompt(request=None, text=None, token_ids=[1, 2, 3])),
+        segments=pipe.segments(tenant),
         sampling=sampling,
         stream=True,
         include_usage=True,

@@ -225,6 +225,16 @@ async def test_revoked_prefixes_stay_known_and_forget_resets_counts():
     assert len(promotion_candidates(PromotionPolicy(), prefix, hot, known=set(), now=0.0)) == 1
 
 
+async def test_in_memory_counter_keeps_the_window_it_is_given():
+    # An empty SlidingWindowCounter has len() 0; `window or default` used to replace it.
+    window = SlidingWindowCounter(max_tenants=2)
+    counter = InMemoryPromotionCounter(window)
+    assert counter.window is window
+    for tag in tags(3):
+        (stats,) = await counter.record([H], tag, 0.0)
+    assert stats.num_tenants == 2
+
+
 # -- the gateway's wiring, end to end in pure code ------------------------------------------------
 
 

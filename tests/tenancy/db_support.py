@@ -20,7 +20,7 @@ from migrations import upgrade_database
 
 POSTGRES_ENV = "PREFIXGATE_TEST_POSTGRES_URL"
 REDIS_ENV = "PREFIXGATE_TEST_REDIS_URL"
-TABLES = ("usage_records", "api_keys", "audit_log", "tenants")
+TABLES = ("usage_records", "api_keys", "audit_log", "tenants", "hot_prefixes")
 
 
 def service_url(env_name: str, what: str) -> str:

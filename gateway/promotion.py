@@ -1,0 +1,225 @@
+"""Hot-prefix promotion in the gateway: count, promote, and hash promoted prefixes globally.
+
+For a request of a tenant with hot-prefix access (``policies.promotion.hot_prefix_access``: opted in
+with ``share_hot_prefixes`` and not ``dedicated``), ``HotPrefixPromotion``:
+
+1. finds the message-boundary prefixes of the (canonicalized) prompt: one marked render of the chat
+   template locates the boundaries, the tokenizer's offsets turn them into token offsets, and
+   ``boundary_prefixes`` hashes them in the global form;
+2. records one hit per prefix in the ``PromotionCounter`` (memory, or Redis shared by replicas) and
+   promotes those that now pass the thresholds (``observe``). A promotion is in force on this replica
+   at once and is written to SQL in the background (retried until it lands); the policy reload brings
+   it to every other replica;
+3. answers the length of the longest promoted prefix, which the pipeline hashes in the global
+   namespace (``namespace_segments(promoted_prefix_tokens=…)``).
+
+The request that triggers a promotion is already served with it, so the global copy of the prefix's
+KV exists from then on and the next opted-in tenant reuses it. A counter failure (Redis down) pauses
+counting for ``pause_s``: promotions already in force keep working and requests are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+from gateway.metrics import GatewayMetrics
+from gateway.model import ModelRuntime, TemplateError
+from gateway.pipeline import RenderedPrompt
+from gateway.schemas import ChatRequest
+from policies.chat_text import (
+    char_to_token_offsets,
+    insert_markers,
+    locate_markers,
+    message_boundary_positions,
+)
+from policies.isolation import tenant_namespace_id
+from policies.promotion import (
+    BoundaryPrefix,
+    PrefixHash,
+    PromotedPrefix,
+    PromotionCounter,
+    PromotionPolicy,
+    TenantTag,
+    boundary_prefixes,
+    hot_prefix_access,
+    longest_promoted_prefix,
+    observe,
+)
+from tenancy.cache import PolicyCache
+from tenancy.hot_prefixes import HotPrefixRepository
+from tenancy.policy import TenantPolicy
+
+log = logging.getLogger(__name__)
+
+PERSIST_RETRY_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Either:
+    """Membership in either of two containers, without building their union on every request."""
+
+    first: Container[PrefixHash]
+    second: Container[PrefixHash]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.first or item in self.second
+
+
+def prompt_boundary_prefixes(model: ModelRuntime, prompt: RenderedPrompt) -> list[BoundaryPrefix]:
+    """The block-aligned message-boundary prefixes of a rendered chat prompt (none for completions,
+    or when the chat template reacts to the position markers)."""
+    request = prompt.request
+    if not isinstance(request, ChatRequest) or prompt.text is None or prompt.encoding is None:
+        return []
+    messages = list(request.messages)
+    positions = message_boundary_positions(messages)
+    if not positions:
+        return []
+    try:
+        marked = model.render_chat(insert_markers(messages, positions), request.tools)
+    except TemplateError:
+        return []
+    chars = locate_markers(marked, prompt.text, len(positions))
+    if chars is None:
+        return []
+    token_starts = [start for start, _ in prompt.encoding.offsets]
+    return boundary_prefixes(
+        prompt.token_ids,
+        char_to_token_offsets(token_starts, chars),
+        block_size=model.block_size,
+        model_fingerprint=model.fingerprint,
+    )
+
+
+class HotPrefixPromotion:
+    """``PromotionLookup`` that also feeds the counters and records promotions."""
+
+    def __init__(
+        self,
+        *,
+        counter: PromotionCounter,
+        policy: PromotionPolicy,
+        cache: PolicyCache,
+        repository: HotPrefixRepository,
+        salt: bytes,
+        metrics: GatewayMetrics,
+        store_text: bool = True,
+        pause_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.counter = counter
+        self.policy = policy
+        self._cache = cache
+        self._repository = repository
+        self._salt = salt
+        self._metrics = metrics
+        self._store_text = store_text
+        self._pause_s = pause_s
+        self._clock = clock
+        self._paused_until = 0.0  # time.monotonic()
+        self._pending: dict[PrefixHash, PromotedPrefix] = {}  # promoted here, not yet in the snapshot
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    @property
+    def promoted(self) -> Container[PrefixHash]:
+        """Promotions in force on this replica: the SQL snapshot plus its own unsaved ones."""
+        self._prune_pending()
+        return _Either(self._cache.promoted_hashes, self._pending)
+
+    def _prune_pending(self) -> None:
+        """Once the snapshot knows a hash (saved here or by another replica, or revoked), it decides.
+        Pruned here rather than after the write: a policy reload that started before the write may
+        still land after it, and the promotion must not blink out in between."""
+        if self._pending:
+            known = self._cache.known_hashes
+            for prefix_hash in [h for h in self._pending if h in known]:
+                del self._pending[prefix_hash]
+
+    async def promoted_prefix_tokens(
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+    ) -> int:
+        if not hot_prefix_access(tenant.isolation, tenant.share_hot_prefixes):
+            return 0
+        prefixes = prompt_boundary_prefixes(model, prompt)
+        if not prefixes:
+            return 0
+        if not self.paused:
+            await self._observe(tenant, model, prompt, prefixes)
+        return longest_promoted_prefix(prefixes, self.promoted)
+
+    async def _observe(
+        self,
+        tenant: TenantPolicy,
+        model: ModelRuntime,
+        prompt: RenderedPrompt,
+        prefixes: list[BoundaryPrefix],
+    ) -> None:
+        tag = TenantTag(tenant_namespace_id(self._salt, tenant.tenant_id))  # opaque, never the tenant id
+        known = _Either(self._cache.known_hashes, self._pending)
+        try:
+            promotions = await observe(self.counter, self.policy, prefixes, tag, self._clock(), known=known)
+        except Exception as exc:  # Redis down or slow: promotion pauses, the request goes on
+            self._metrics.promotion_errors.inc()
+            if not self.paused:
+                log.warning(
+                    "hot-prefix counters unavailable, promotion paused for %.0fs: %s", self._pause_s, exc
+                )
+            self._paused_until = time.monotonic() + self._pause_s
+            return
+        for promotion in promotions:
+            self._promote(promotion, model, prompt)
+
+    def _promote(self, promotion: PromotedPrefix, model: ModelRuntime, prompt: RenderedPrompt) -> None:
+        self._pending[promotion.prefix_hash] = promotion
+        self._metrics.promotions.inc()
+        log.info(
+            "promoted hot prefix %s: %d tokens, %d hits/hour from %d tenants",
+            promotion.prefix_hash[:16],
+            promotion.num_tokens,
+            promotion.hits_per_hour,
+            promotion.num_tenants,
+        )
+        text = model.decode(prompt.token_ids[: promotion.num_tokens]) if self._store_text else None
+        task = asyncio.get_running_loop().create_task(self._persist(promotion, model.model_id, text))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _persist(self, promotion: PromotedPrefix, model_id: str, text: str | None) -> None:
+        """Write the promotion to SQL (off the request path), retrying while the database is down; it
+        stays in force here meanwhile. Another replica may have written it first: that is fine."""
+        delay_s = 0.5
+        while True:
+            try:
+                await self._repository.add(promotion, model=model_id, text=text)
+                await self._cache.reload()
+                return
+            except Exception as exc:
+                log.warning("could not store hot prefix %s yet: %s", promotion.prefix_hash[:16], exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, PERSIST_RETRY_MAX_S)
+
+    async def forget(self, prefix_hash: PrefixHash) -> None:
+        """Drop a revoked prefix's counts (best effort: it stays known, so it is never re-promoted)."""
+        self._pending.pop(prefix_hash, None)
+        try:
+            await self.counter.forget(prefix_hash)
+        except Exception as exc:
+            log.warning("could not clear the counts of hot prefix %s: %s", prefix_hash[:16], exc)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Give pending writes a moment, then stop retrying (they are re-proposed after a restart)."""
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,131 @@
+"""Hot-prefix promotion end to end: real gateway, real SQLite, real worker, low thresholds."""
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.app import create_app
+from gateway.state import POLICY_CACHE
+from tests.gateway.conftest import ADMIN, create_tenant, make_config
+from tests.gateway.test_gateway_canonicalization import system_with
+from tests.gateway.test_gateway_e2e import auth, cached, chat_body
+
+
+@pytest.fixture
+async def gateway(aiohttp_client, sqlite_url, tmp_path, worker_url):
+    config = make_config(
+        sqlite_url, tmp_path, worker_urls=(worker_url,), promotion_min_hits=3, promotion_min_tenants=3
+    )
+    return await aiohttp_client(create_app(config))
+
+
+async def ask(gateway, key: str, system: str, user: str) -> dict:
+    response = await gateway.post("/v1/chat/completions", json=chat_body(system, user), headers=auth(key))
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+def promoted_tokens(result: dict) -> int:
+    return result["usage"]["prefixgate"]["promoted_prefix_tokens"]
+
+
+async def hot_prefixes(gateway, **query) -> list[dict]:
+    response = await gateway.get("/admin/v1/hot-prefixes", params=query, headers=ADMIN)
+    assert response.status == 200
+    return (await response.json())["data"]
+
+
+async def wait_for_hot_prefixes(gateway, count: int, timeout_s: float = 3.0) -> list[dict]:
+    """Promotions reach SQL off the request path: wait for the background write."""
+    deadline = time.monotonic() + timeout_s
+    while len(rows := await hot_prefixes(gateway)) != count:
+        assert time.monotonic() < deadline, rows
+        await asyncio.sleep(0.05)
+    return rows
+
+
+async def tenant(gateway, name: str, **fields) -> str:
+    return (await create_tenant(gateway, name=name, **fields))["api_key"]
+
+
+async def test_three_opted_in_tenants_promote_a_shared_system_prompt(gateway):
+    system = system_with("the day of the launch")  # about 1,700 tokens, the same for every tenant
+    a, b, c, d = [await tenant(gateway, name, share_hot_prefixes=True) for name in "abcd"]
+    outsider = await tenant(gateway, "outsider")  # did not opt in
+    dedicated = await tenant(gateway, "dedicated", isolation="dedicated", share_hot_prefixes=True)
+
+    # Neither the outsider nor the dedicated tenant feeds the counters: after them and two opted-in
+    # tenants there are 2 tenants and 2 hits, below both thresholds.
+    for key, user in ((outsider, "o"), (dedicated, "x"), (a, "question a"), (b, "question b")):
+        assert promoted_tokens(await ask(gateway, key, system, user)) == 0
+    assert await hot_prefixes(gateway) == []
+
+    promoting = await ask(gateway, c, system, "question c")  # third tenant: promoted, served with it
+    promoted = promoted_tokens(promoting)
+    assert promoted > 1600 and promoted % 16 == 0
+
+    fourth = await ask(gateway, d, system, "question d")  # its very first request
+    assert promoted_tokens(fourth) == promoted
+    assert cached(fourth) >= promoted
+    assert fourth["usage"]["prefixgate"]["cached_tokens_by_tier"]["l1"] == cached(fourth)
+
+    # Not opted in / dedicated: nothing from the global copy, ever.
+    for name, fields in (
+        ("late-outsider", {}),
+        ("late-dedicated", {"isolation": "dedicated", "share_hot_prefixes": True}),
+    ):
+        result = await ask(gateway, await tenant(gateway, name, **fields), system, "hello")
+        assert cached(result) == 0 and promoted_tokens(result) == 0
+
+    (row,) = await wait_for_hot_prefixes(gateway, 1)
+    assert row["num_tokens"] == promoted and row["num_tenants"] == 3 and row["hits_per_hour"] >= 3
+    assert len(row["prefix_hash"]) == 64 and row["model"] == "random-tiny" and row["revoked"] is False
+    assert set(row) == {
+        "id", "object", "prefix_hash", "model", "num_tokens", "hits_per_hour", "num_tenants",
+        "promoted_at", "revoked_at", "revoked",
+    }  # fmt: skip
+    shown = await (await gateway.get(f"/admin/v1/hot-prefixes/{row['id']}", headers=ADMIN)).json()
+    assert shown["text"].startswith("<|bos|>") and system[:1600] in shown["text"]  # whole blocks only
+    assert "question" not in shown["text"]
+
+    metrics = await (await gateway.get("/metrics")).text()
+    assert "prefixgate_hot_prefix_promotions_total 1.0" in metrics
+    assert "prefixgate_hot_prefixes 1.0" in metrics
+    assert 'prefixgate_promoted_prefix_tokens_total{tenant="' in metrics
+
+
+async def test_one_tenant_alone_never_promotes(gateway):
+    system = system_with("a private prompt")
+    key = await tenant(gateway, "loner", share_hot_prefixes=True)
+    for i in range(8):
+        result = await ask(gateway, key, system, f"question {i}")
+        assert promoted_tokens(result) == 0
+    assert cached(result) > 1600  # it does reuse its own copy
+    await asyncio.sleep(0.2)
+    assert await hot_prefixes(gateway, include_revoked="true") == []
+
+
+async def test_revoked_prefix_is_private_again_and_not_promoted_back(gateway):
+    system = system_with("a revoked prompt")
+    keys = [await tenant(gateway, f"r{i}", share_hot_prefixes=True) for i in range(3)]
+    for i, key in enumerate(keys):
+        await ask(gateway, key, system, f"q{i}")
+    (row,) = await wait_for_hot_prefixes(gateway, 1)
+
+    revoked = await gateway.delete(f"/admin/v1/hot-prefixes/{row['id']}", headers=ADMIN)
+    assert revoked.status == 200 and (await revoked.json())["revoked"] is True
+    assert await hot_prefixes(gateway) == []
+    assert [r["id"] for r in await hot_prefixes(gateway, include_revoked="true")] == [row["id"]]
+    assert gateway.app[POLICY_CACHE].promoted_hashes == frozenset()
+
+    newcomer = await tenant(gateway, "newcomer", share_hot_prefixes=True)
+    first = await ask(gateway, newcomer, system, "q")
+    assert promoted_tokens(first) == 0 and cached(first) == 0
+    for i, key in enumerate(keys):  # counted again, but a revoked hash is known: no new promotion
+        assert promoted_tokens(await ask(gateway, key, system, f"again {i}")) == 0
+    await asyncio.sleep(0.2)
+    assert await hot_prefixes(gateway) == []
+
+    missing = await gateway.delete("/admin/v1/hot-prefixes/hp_nope", headers=ADMIN)
+    assert missing.status == 404
