@@ -28,6 +28,7 @@ from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
+from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
 
@@ -230,12 +231,25 @@ class Engine:
     def is_running(self, request_id: str) -> bool:
         return request_id in self._handles
 
-    async def purge(self, namespace_id: str) -> dict[str, int]:
-        """Erase every cached block of ``namespace_id``; returns the number erased per tier."""
+    async def purge(self, namespace_id: str) -> tuple[dict[str, int], dict[str, str]]:
+        """Erase every cached block of ``namespace_id`` from every tier.
+
+        Returns the blocks erased per tier and, per tier that failed part-way, why (a retry is safe).
+        """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, int]] = loop.create_future()
         self._inbox.put(("purge", (namespace_id, loop, done)))
-        return await done
+        erased = await done
+        failed: dict[str, str] = {}
+        if self.store is not None:
+            try:  # Redis can be slow: not on the engine thread
+                remote = await asyncio.to_thread(self.store.purge_remote, namespace_id)
+            except RemoteUnavailable as exc:
+                failed["remote"] = str(exc)
+            else:
+                if remote is not None:
+                    erased["remote"] = remote
+        return erased, failed
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
@@ -307,7 +321,7 @@ class Engine:
             namespace_id, loop, done = arg
             erased = {"l1": self.block_manager.purge(namespace_id)}
             if self.store is not None:
-                erased |= self.store.purge(namespace_id)
+                erased |= self.store.purge_local(namespace_id)
             loop.call_soon_threadsafe(done.set_result, erased)
         elif command == "abort":
             seq = self._sequences.pop(arg, None)

@@ -191,8 +191,16 @@ async def purge(request: web.Request) -> web.Response:
     namespace_id = body.get("namespace_id") if isinstance(body, dict) else None
     if not isinstance(namespace_id, str) or not namespace_id:
         raise BadRequest("'namespace_id' must be a non-empty string", param="namespace_id")
-    erased = await request.app[ENGINE].purge(namespace_id)
-    return web.json_response({"namespace_id": namespace_id, "blocks_erased": erased})
+    erased, failed = await request.app[ENGINE].purge(namespace_id)
+    body: dict[str, Any] = {"namespace_id": namespace_id, "blocks_erased": erased}
+    if failed:  # a partial data deletion must not look like success
+        reasons = "; ".join(f"{tier}: {why}" for tier, why in failed.items())
+        body |= error_body(
+            f"purge incomplete ({reasons}); retry", kind="server_error", code="purge_incomplete"
+        )
+        body["failed"] = failed
+        return web.json_response(body, status=503)
+    return web.json_response(body)
 
 
 def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Application:

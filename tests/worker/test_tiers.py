@@ -131,7 +131,8 @@ async def test_purge_erases_a_namespace_from_every_tier_and_disk(make_engine, tm
     await push_out_of_l1(engine)
     engine.store.wait_for_writes()
     assert any("t-a" in str(p) for p in tmp_path.rglob("*.kv"))
-    erased = await engine.purge("t-a")
+    erased, failed = await engine.purge("t-a")
+    assert not failed
     assert erased["l1"] + erased["l2"] + erased["l3"] > 0
     assert not any("t-a" in str(p) for p in tmp_path.rglob("*.kv"))
     assert any("t-b" in str(p) for p in tmp_path.rglob("*.kv"))
@@ -209,5 +210,7 @@ async def test_redis_stopping_mid_run_only_causes_misses(make_engine, tmp_path):
         assert got == expected
         assert engine.stats()["tiers"]["remote"]["errors_total"] >= 1
         assert usage["completion_tokens"] == 12
+        _, failed = await engine.purge("t-a")  # a data deletion must say it could not reach Redis
+        assert "remote" in failed
     finally:
         server.kill()

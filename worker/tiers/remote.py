@@ -49,6 +49,10 @@ return evicted
 ERRORS = (redis.RedisError, OSError)
 
 
+class RemoteUnavailable(RuntimeError):
+    """Redis failed during an operation that must not silently succeed (purge)."""
+
+
 class RemoteTier:
     def __init__(
         self,
@@ -189,7 +193,11 @@ class RemoteTier:
         )
 
     def purge(self, namespace_id: str) -> int:
-        """Delete every block of ``namespace_id`` of this model; returns how many."""
+        """Delete every block of ``namespace_id`` of this model; returns how many.
+
+        Raises:
+            RemoteUnavailable: Redis failed part-way; some blocks may remain (a retry is safe).
+        """
         erased = 0
         try:
             for key in self.client.scan_iter(match=f"{self.prefix}:{namespace_id}:*", count=500):
@@ -204,6 +212,7 @@ class RemoteTier:
                 erased += int(deleted)
         except ERRORS as exc:
             self._failed(exc)
+            raise RemoteUnavailable(f"Redis failed after erasing {erased} blocks: {exc}") from exc
         return erased
 
     def stats(self) -> dict[str, int]:

@@ -337,14 +337,21 @@ class TieredStore:
         """Block until every queued demotion has been written."""
         self._writes.join()
 
-    def purge(self, namespace_id: str) -> dict[str, int]:
-        self._writes.join()  # nothing of the namespace may land on disk after the purge
+    def purge_local(self, namespace_id: str) -> dict[str, int]:
+        """Erase a namespace from L2 and L3 (engine thread); the remote tier is ``purge_remote``."""
+        self._writes.join()  # nothing of the namespace may land on disk or in Redis after the purge
         erased = {"l2": self.l2.purge(namespace_id)}
         if self.disk is not None:
             erased["l3"] = self.disk.purge(namespace_id)
-        if self.remote is not None:
-            erased["remote"] = self.remote.purge(namespace_id)
         return erased
+
+    def purge_remote(self, namespace_id: str) -> int | None:
+        """Erase a namespace from Redis (any thread; None without a remote tier).
+
+        Raises:
+            RemoteUnavailable: Redis failed part-way.
+        """
+        return None if self.remote is None else self.remote.purge(namespace_id)
 
     def flush(self, pool: BlockManager) -> int:
         """Write every cached L1 and L2 block to disk (clean shutdown); returns blocks written."""
