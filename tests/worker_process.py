@@ -20,9 +20,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def worker_process(*args: str, log_path: Path | None = None, timeout_s: float = 120.0) -> Iterator[str]:
-    """Run ``python -m worker --port P *args`` until the block exits; yields its base URL."""
-    port = free_port()
+def worker_process(
+    *args: str, log_path: Path | None = None, timeout_s: float = 120.0, port: int | None = None
+) -> Iterator[str]:
+    """Run ``python -m worker --port P *args`` until the block exits; yields its base URL.
+
+    ``port`` pins the port (to restart a worker at the same address); a free one is picked otherwise.
+    """
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

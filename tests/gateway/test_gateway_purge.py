@@ -5,10 +5,7 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,28 +143,19 @@ async def test_purge_with_an_unreachable_worker_is_a_502_with_details(
 @contextlib.contextmanager
 def worker_on(port: int, data_dir: Path, *extra: str) -> Iterator[None]:
     """A worker on a fixed port (the gateway's configured URL), stopped cleanly (it flushes to disk)."""
-    args = ["--model", "random-tiny", "--num-blocks", "256", "--max-model-len", "1024"]
-    log = open(data_dir.parent / f"worker-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", "--port", str(port), "--data-dir", str(data_dir), *args, *extra],
-        stdout=log,
-        stderr=log,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"worker exited with {proc.returncode}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "worker did not start"
-                time.sleep(0.1)
+    args = [
+        "--model",
+        "random-tiny",
+        "--num-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--data-dir",
+        str(data_dir),
+    ]
+    log = data_dir.parent / f"worker-{time.monotonic_ns()}.log"
+    with worker_process(*args, *extra, log_path=log, port=port):
         yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 async def wait_for_worker(gateway, url: str, previous_id: str | None) -> str:
