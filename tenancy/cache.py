@@ -25,6 +25,7 @@ class PolicyCache:
         self._repository = repository
         self._refresh_s = refresh_s
         self._snapshot: PolicySnapshot | None = None
+        self._reloading = asyncio.Lock()  # overlapping reloads must not install an older snapshot
         self.last_refresh_monotonic: float | None = None
 
     @property
@@ -60,8 +61,12 @@ class PolicyCache:
         return {} if snapshot is None else dict(snapshot.tenants)
 
     async def reload(self) -> None:
-        self._snapshot = await self._repository.load_snapshot()
-        self.last_refresh_monotonic = time.monotonic()
+        async with self._reloading:
+            snapshot = await self._repository.load_snapshot()
+            current = self._snapshot
+            if current is None or snapshot.marker >= current.marker:  # markers only grow
+                self._snapshot = snapshot
+            self.last_refresh_monotonic = time.monotonic()
 
     async def refresh_if_changed(self) -> bool:
         """Reload when the change marker moved (or nothing is loaded yet). Returns whether it reloaded."""
