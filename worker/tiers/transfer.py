@@ -76,6 +76,9 @@ class Copier:
         num_bytes = len(slots) * source[0].numel() * source.element_size()
         runs = contiguous_runs(slots, block_ids)
         if self._stream is not None:
+            # The target blocks may still be read or written by kernels queued on the compute stream
+            # for their previous owner: the copy must start after them.
+            self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
             with torch.cuda.stream(self._stream):
                 for src, dst, n in runs:
                     self.kv_cache[dst : dst + n].copy_(source[src : src + n], non_blocking=True)
