@@ -25,6 +25,7 @@ import itertools
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from bench.trace import TraceRequest, num_unique_blocks, write_trace
 
@@ -214,25 +215,46 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     return requests
 
 
-def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, str]:
-    parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="JSONL file to write")
-    defaults = WorkloadSpec()
-    for field in fields(WorkloadSpec):
-        default = getattr(defaults, field.name)
+def _add_fields(parser: Any, spec: Any) -> None:
+    """One flag on ``parser`` (a parser or argument group) per dataclass field of ``spec``, whose values
+    are the defaults."""
+    for field in fields(spec):
+        default = getattr(spec, field.name)
         flag = "--" + field.name.replace("_", "-")
         if isinstance(default, tuple):
             parser.add_argument(flag, type=int, nargs=2, default=default, metavar=("MIN", "MAX"))
         else:
             parser.add_argument(flag, type=type(default), default=default)
+
+
+def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, dict[str, Any] | None, str]:
+    """The workload spec, the chat options (None without ``--chat``) and the output path."""
+    from bench.chat_workload import ChatSpec  # imported here: chat_workload builds on this module
+
+    parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSONL file to write")
+    parser.add_argument(
+        "--chat", action="store_true", help="write chat requests (messages, tools) instead of block ids"
+    )
+    _add_fields(parser, WorkloadSpec())
+    _add_fields(parser.add_argument_group("chat requests (--chat)"), ChatSpec())
     args = vars(parser.parse_args(argv))
-    out = args.pop("out")
+    out, chat = args.pop("out"), args.pop("chat")
+    chat_options = {f.name: args.pop(f.name) for f in fields(ChatSpec)}
     spec = WorkloadSpec(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
-    return spec, out
+    return spec, chat_options if chat else None, out
 
 
 def main(argv: list[str] | None = None) -> None:
-    spec, out = _parse_args(argv)
+    spec, chat_options, out = _parse_args(argv)
+    if chat_options is not None:
+        from bench.chat_workload import ChatSpec, chat_workload
+
+        chat_requests = chat_workload(spec, ChatSpec(**chat_options))
+        with open(out, "w", encoding="utf-8") as lines:
+            lines.writelines(request.to_json() + "\n" for request in chat_requests)
+        print(f"wrote {len(chat_requests)} chat requests, {spec.num_tenants} tenants to {out}")
+        return
     requests = generate_workload(spec)
     write_trace(out, requests)
     num_blocks = sum(len(r.hash_ids) for r in requests)
