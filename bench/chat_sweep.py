@@ -377,44 +377,44 @@ def print_tables(
 
 
 def save_plot(results: Sequence[ChatResult], path: Path) -> None:
-    """Prefix-usable hit ratio against capacity, one panel per isolation level, one line per setting
-    (the default policy solid, others dotted)."""
+    """Prefix-usable hit ratio of the default policy (else the first one) against capacity, one panel
+    per isolation level: one colour per (timestamps, canon), solid with promotion, dashed without."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    isolations = list(dict.fromkeys(r.isolation for r in results))
-    settings = list(dict.fromkeys(r.setting for r in results))
     policies = list(dict.fromkeys(r.policy for r in results))
-    if "default" in policies and DEFAULT_POLICY in policies:
-        policies.remove(DEFAULT_POLICY)  # same curve
+    policy = "default" if "default" in policies else policies[0]
+    shown = [r for r in results if r.policy == policy]
+    isolations = list(dict.fromkeys(r.isolation for r in shown))
+    settings = list(dict.fromkeys((r.setting, r.timestamp_share, r.canon, r.promotion) for r in shown))
+    colour_of = {key: index for index, key in enumerate(dict.fromkeys((s[1], s[2]) for s in settings))}
     colours = plt.get_cmap("tab10")
-    figure, axes = plt.subplots(1, len(isolations), figsize=(5.5 * len(isolations), 4.4), squeeze=False)
+    figure, axes = plt.subplots(1, len(isolations), figsize=(5 * len(isolations), 4.2), squeeze=False)
     for ax, isolation in zip(axes[0], isolations, strict=True):
-        for index, setting in enumerate(settings):
-            for policy in policies:
-                points = sorted(
-                    (r.capacity, r.prefix_hit_ratio)
-                    for r in results
-                    if (r.isolation, r.setting, r.policy) == (isolation, setting, policy)
+        for setting, timestamp_share, canon, promotion in settings:
+            points = sorted(
+                (r.capacity, r.prefix_hit_ratio)
+                for r in shown
+                if (r.isolation, r.setting) == (isolation, setting)
+            )
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True),
+                    "-" if promotion == "on" else "--",
+                    marker="o" if promotion == "on" else "x",
+                    color=colours(colour_of[(timestamp_share, canon)] % 10),
+                    label=setting,
                 )
-                if points:
-                    solid = policy in ("default", DEFAULT_POLICY)
-                    ax.plot(
-                        *zip(*points, strict=True),
-                        "-" if solid else ":",
-                        marker="o" if solid else ".",
-                        color=colours(index % 10),
-                        label=f"{setting} ({policy})" if len(policies) > 1 else setting,
-                    )
-        ax.set_title(isolation, fontsize=10)
+        ax.set_title(f"{isolation} ({policy} policy)", fontsize=10)
         ax.set_xlabel("capacity (fraction of the plain replay's unique blocks)")
         ax.set_ylabel("prefix-usable hit ratio")
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
-    figure.tight_layout(rect=(0, 0.08 + 0.025 * (len(labels) // 2), 1, 1))
+    rows = (len(labels) + 1) // 2
+    figure.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+    figure.tight_layout(rect=(0, 0.04 + 0.045 * rows, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=80)
     plt.close(figure)
