@@ -13,8 +13,9 @@ Prints a table, saves a plot of hit ratio against capacity, and ends with one JS
 
 replays the synthetic multi-tenant workload as chat requests instead, with canonicalization and
 hot-prefix promotion on and off and timestamps injected into a share of system prompts
-(``bench/chat_sweep.py``); its JSON line is ``{"config", "replays", "results": [{"setting",
-"isolation", "policy", "capacity", "hit_ratio", "prefix_hit_ratio", "reused_tokens", …}]}``.
+(``bench/chat_sweep.py``, ``bench/chat_cli.py``); its JSON line is ``{"config", "replays",
+"results": [{"setting", "isolation", "policy", "capacity", "hit_ratio", "prefix_hit_ratio",
+"reused_tokens", …}]}``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench import chat_sweep
+from bench import chat_cli, chat_sweep
 from bench.belady import replay_belady
 from bench.isolation import ISOLATION_LEVELS, partitions
 from bench.replay import MODES, HitCounts, replay, total
@@ -217,12 +218,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Sweep | chat_sweep.Ch
     parser.add_argument(
         "--policy",
         help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; "
-        f"with --workload {','.join(chat_sweep.DEFAULT_POLICIES)})",
+        f"with --workload {','.join(chat_cli.DEFAULT_POLICIES)})",
     )
     parser.add_argument(
         "--isolation",
         help=f"comma-separated: {','.join(ISOLATION_LEVELS)} (default shared; "
-        f"with --workload {','.join(chat_sweep.DEFAULT_ISOLATIONS)})",
+        f"with --workload {','.join(chat_cli.DEFAULT_ISOLATIONS)})",
     )
     parser.add_argument("--mode", help=f"comma-separated replay modes: {','.join(MODES)} (default prefix)")
     parser.add_argument("--plot", type=Path, help=f"where to save the plot (default {DEFAULT_PLOT})")
@@ -231,9 +232,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Sweep | chat_sweep.Ch
         "--quick",
         action="store_true",
         help=f"first {QUICK_REQUESTS} requests of each trace "
-        f"(--workload: {chat_sweep.QUICK_REQUESTS} requests)",
+        f"(--workload: {chat_cli.QUICK_REQUESTS} requests)",
     )
-    chat_sweep.add_arguments(parser)
+    chat_cli.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.capacity and args.capacity_blocks:
         parser.error("give --capacity or --capacity-blocks, not both")
@@ -254,8 +255,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Sweep | chat_sweep.Ch
     if args.workload:
         if args.mode and "," in args.mode:
             parser.error("--workload replays in one --mode")
-        sweep = chat_sweep.sweep_from_args(args, policies if args.policy else None, parser.error)
-        return sweep, None if args.no_plot else (args.plot or chat_sweep.DEFAULT_PLOT)
+        sweep = chat_cli.sweep_from_args(args, policies if args.policy else None, parser.error)
+        return sweep, None if args.no_plot else (args.plot or chat_cli.DEFAULT_PLOT)
     sweep = Sweep(
         traces=tuple(args.trace),
         policies=policies,
@@ -275,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not out.is_terminal:
         out = Console(width=200)
     if isinstance(sweep, chat_sweep.ChatSweep):
-        chat_sweep.run(sweep, plot, console, out)
+        chat_cli.run(sweep, plot, console, out)
         return
     started = time.perf_counter()
     results = run_sweep(sweep, console)

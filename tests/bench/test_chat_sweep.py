@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bench.chat_sweep import Setting, parse_settings
+from bench.chat_cli import parse_settings
+from bench.chat_sweep import Setting
 from bench.hitrate import main
 
 SMALL = [
