@@ -167,11 +167,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when --settings has no timestamps=",
     )
     group.add_argument(
-        "--tool-shuffle-share", type=float, default=0.0, help="share of tenants that shuffle tools"
+        "--tool-shuffle-share",
+        type=float,
+        default=0.0,
+        help="share of tenants whose client shuffles tool order and keys",
     )
     group.add_argument("--num-requests", type=int, help=f"default {WorkloadSpec().num_requests}")
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS, help="KV block size")
+    group.add_argument(
+        "--block-tokens",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help=f"KV block size in tokens (default {DEFAULT_BLOCK_TOKENS}; the worker's is 16)",
+    )
     group.add_argument(
         "--opt-in-share", type=float, default=1.0, help="share of tenants sharing hot prefixes"
     )
