@@ -13,7 +13,7 @@ from bench.chat_replay import (
     promote,
 )
 from bench.chat_sweep import opted_in_tenants, simulate
-from bench.chat_workload import ChatSpec, chat_workload
+from bench.chat_workload import ChatRequest, ChatSpec, chat_workload
 from bench.workloads import WorkloadSpec
 from policies.promotion import PromotionPolicy, boundary_prefixes
 
@@ -164,3 +164,25 @@ def test_namespaces_share_only_promoted_blocks(streams):
     assert any(
         len(tenants) >= PROMOTION.policy.min_tenants for tenants in owners(run.promoted_tokens).values()
     )
+
+
+def test_counters_use_the_configured_window(renderer):
+    system = "You are the assistant of a public template, shared by everyone. " * 4
+    requests = [
+        ChatRequest(
+            timestamp_ms=1000.0 * i,
+            tenant=f"t{i}",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}],
+            tools=None,
+            public=True,
+            timestamped=False,
+        )
+        for i in range(4)
+    ]
+    prepared = prepare(requests, "on", renderer)
+    # 3 hits in a 60 s window are 180 per hour; in a one-hour window they would be 3 per hour
+    minute = replace(PROMOTION, policy=PromotionPolicy(min_hits_per_hour=180, min_tenants=3), window_s=60.0)
+    run = promote(prepared, "namespace", minute, block_size=BLOCK)
+    assert len(run.promotions) == 1 and run.promoted_tokens == (0, 0, 0, run.promotions[0].num_tokens)
+    hour = replace(minute, window_s=3600.0, bucket_s=60.0)
+    assert promote(prepared, "namespace", hour, block_size=BLOCK).promotions == ()
