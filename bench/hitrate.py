@@ -8,6 +8,14 @@ and the prefix-usable hit ratio (a block counts only if every earlier block of i
 ``belady`` is the offline upper bound (``bench/belady.py``); ``default`` is the worker's default policy.
 Prints a table, saves a plot of hit ratio against capacity, and ends with one JSON line:
 ``{"results": [{"trace", "policy", "capacity", "hit_ratio", "prefix_hit_ratio", …}]}``.
+
+    python -m bench.hitrate --workload multitenant --settings canon=off,on promotion=off,on
+
+replays the synthetic multi-tenant workload as chat requests instead, with canonicalization and
+hot-prefix promotion on and off and timestamps injected into a share of system prompts
+(``bench/chat_sweep.py``, ``bench/chat_cli.py``); its JSON line is ``{"config", "replays",
+"results": [{"setting", "isolation", "policy", "capacity", "hit_ratio", "prefix_hit_ratio",
+"reused_tokens", …}]}``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench import chat_cli, chat_sweep
 from bench.belady import replay_belady
 from bench.isolation import ISOLATION_LEVELS, partitions
 from bench.replay import MODES, HitCounts, replay, total
@@ -201,44 +210,63 @@ def _csv(text: str, cast: Callable[[str], object]) -> tuple:
     return tuple(cast(item.strip()) for item in text.split(",") if item.strip())
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[Sweep, Path | None]:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[Sweep | chat_sweep.ChatSweep, Path | None]:
     parser = argparse.ArgumentParser(prog="python -m bench.hitrate", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", action="append", required=True, type=Path, help="JSONL trace (repeatable)")
+    parser.add_argument("--trace", action="append", type=Path, help="JSONL trace (repeatable)")
     parser.add_argument("--capacity", help="fractions of unique blocks, e.g. 0.01,0.05,0.1,0.2")
     parser.add_argument("--capacity-blocks", help="absolute sizes in blocks, e.g. 500,2000")
-    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES), help="comma-separated policies")
     parser.add_argument(
-        "--isolation", default="shared", help=f"comma-separated: {','.join(ISOLATION_LEVELS)}"
+        "--policy",
+        help=f"comma-separated policies (default {','.join(DEFAULT_POLICIES)}; "
+        f"with --workload {','.join(chat_cli.DEFAULT_POLICIES)})",
     )
-    parser.add_argument("--mode", default="prefix", help=f"comma-separated replay modes: {','.join(MODES)}")
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where to save the plot")
+    parser.add_argument(
+        "--isolation",
+        help=f"comma-separated: {','.join(ISOLATION_LEVELS)} (default shared; "
+        f"with --workload {','.join(chat_cli.DEFAULT_ISOLATIONS)})",
+    )
+    parser.add_argument("--mode", help=f"comma-separated replay modes: {','.join(MODES)} (default prefix)")
+    parser.add_argument("--plot", type=Path, help=f"where to save the plot (default {DEFAULT_PLOT})")
     parser.add_argument("--no-plot", action="store_true", help="do not save a plot")
-    parser.add_argument("--quick", action="store_true", help=f"first {QUICK_REQUESTS} requests of each trace")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"first {QUICK_REQUESTS} requests of each trace "
+        f"(--workload: {chat_cli.QUICK_REQUESTS} requests)",
+    )
+    chat_cli.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.capacity and args.capacity_blocks:
         parser.error("give --capacity or --capacity-blocks, not both")
-    policies = _csv(args.policy, str)
+    if bool(args.trace) == bool(args.workload):
+        parser.error("give --trace (one or more) or --workload, not both")
+    policies = _csv(args.policy or ",".join(DEFAULT_POLICIES), str)
     known = {*POLICIES, "default", "belady"}
     for name in policies:
         if name not in known:
             parser.error(f"unknown policy {name!r}; known: {', '.join(sorted(known))}")
     for option, values, allowed in (
-        ("--isolation", _csv(args.isolation, str), ISOLATION_LEVELS),
-        ("--mode", _csv(args.mode, str), MODES),
+        ("--isolation", _csv(args.isolation or "", str), ISOLATION_LEVELS),
+        ("--mode", _csv(args.mode or "", str), MODES),
     ):
         for value in values:
             if value not in allowed:
                 parser.error(f"{option}: unknown {value!r}; known: {', '.join(allowed)}")
+    if args.workload:
+        if args.mode and "," in args.mode:
+            parser.error("--workload replays in one --mode")
+        sweep = chat_cli.sweep_from_args(args, policies if args.policy else None, parser.error)
+        return sweep, None if args.no_plot else (args.plot or chat_cli.DEFAULT_PLOT)
     sweep = Sweep(
         traces=tuple(args.trace),
         policies=policies,
         capacities=None if args.capacity_blocks else (_csv(args.capacity or "", float) or DEFAULT_CAPACITIES),
         capacity_blocks=_csv(args.capacity_blocks, int) if args.capacity_blocks else None,
-        isolations=_csv(args.isolation, str),
-        modes=_csv(args.mode, str),
+        isolations=_csv(args.isolation or "shared", str),
+        modes=_csv(args.mode or "prefix", str),
         max_requests=QUICK_REQUESTS if args.quick else None,
     )
-    return sweep, None if args.no_plot else args.plot
+    return sweep, None if args.no_plot else (args.plot or DEFAULT_PLOT)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -247,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)
+    if isinstance(sweep, chat_sweep.ChatSweep):
+        chat_cli.run(sweep, plot, console, out)
+        return
     started = time.perf_counter()
     results = run_sweep(sweep, console)
     print_table(results, out)

@@ -12,7 +12,9 @@ A request's prompt is built the way chat applications build theirs, so its block
 - Block ids are chained the way the worker hashes prefixes: a block's id is determined by its parent's
   id and its own content, so equal ids at the same position mean equal prefixes.
 
-``python -m bench.workloads --out FILE`` writes a trace; ``generate_workload`` returns the requests.
+``plan_workload`` returns each request as a list of parts (which system prompt, document, turns: keys
+and lengths), ``generate_workload`` turns the parts into chained block ids, and ``bench.chat_workload``
+turns the same parts into chat messages. ``python -m bench.workloads --out FILE`` writes a trace.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import itertools
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from bench.trace import TraceRequest, num_unique_blocks, write_trace
 
@@ -50,6 +53,39 @@ class WorkloadSpec:
     mean_think_s: float = 40.0  # time between a session's turns (exponential)
     message_blocks: tuple[int, int] = (1, 4)  # new user message per turn
     answer_blocks: tuple[int, int] = (0, 3)  # assistant answer kept in the next turn's prompt
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Part:
+    """One piece of a planned prompt: which content it holds and how long it is, not its text.
+
+    ``key[0]`` is the kind: ``system`` (a tenant's own system prompt), ``public`` (a template every
+    tenant may use), ``document``, ``message`` (a user turn) or ``answer`` (an assistant turn).
+    Equal keys mean equal content.
+    """
+
+    key: tuple[Hashable, ...]
+    num_blocks: int  # length in units of ``WorkloadSpec.block_tokens`` (an answer may have 0)
+
+    @property
+    def kind(self) -> str:
+        return str(self.key[0])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedRequest:
+    """One request of the workload as a list of parts, before it becomes block ids or text."""
+
+    timestamp_ms: float
+    tenant: int  # index; the trace names it ``t{tenant}``
+    session_id: int
+    parts: tuple[Part, ...]  # prompt order: system prompt, document?, earlier turns, new message
+    input_length: int  # tokens, as written to the trace
+    output_length: int
+
+    @property
+    def tenant_name(self) -> str:
+        return f"t{self.tenant}"
 
 
 class _ChainIds:
@@ -84,17 +120,17 @@ class _Session:
 
     tenant: int
     session_id: int
-    head: list[tuple[Hashable, ...]]  # block contents of system prompt + document
+    head: list[Part]  # system prompt (or public template), then the document if any
     turns_left: int
-    history: list[tuple[Hashable, ...]]  # block contents of earlier messages and answers
+    history: list[Part]  # earlier messages and answers
 
 
 def _span(rng: random.Random, bounds: tuple[int, int]) -> int:
     return rng.randint(bounds[0], bounds[1])
 
 
-def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
-    """Requests of the workload in arrival order, with tenant names ``t0 … t{n-1}``."""
+def plan_workload(spec: WorkloadSpec) -> list[PlannedRequest]:
+    """Requests of the workload in arrival order, as parts (``generate_workload`` turns them into ids)."""
     rng = random.Random(spec.seed)
     tenants = _Zipf(spec.num_tenants, spec.tenant_zipf, rng)
     system_picks = [
@@ -106,33 +142,29 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     public_pick = _Zipf(max(spec.public_prompts, 1), spec.popularity_zipf, rng)
     lengths: dict[Hashable, int] = {}
 
-    def length_of(key: Hashable, bounds: tuple[int, int]) -> int:
+    def part(key: tuple[Hashable, ...], bounds: tuple[int, int]) -> Part:
         if key not in lengths:
             lengths[key] = _span(rng, bounds)
-        return lengths[key]
+        return Part(key=key, num_blocks=lengths[key])
 
     def new_session(session_id: int) -> _Session:
         tenant = tenants.draw()
         if spec.public_prompts and rng.random() < spec.public_prompt_share:
-            key: tuple[Hashable, ...] = ("public", public_pick.draw())
-            head = [(*key, i) for i in range(length_of(key, spec.public_prompt_blocks))]
+            head = [part(("public", public_pick.draw()), spec.public_prompt_blocks)]
         else:
-            key = ("system", tenant, system_picks[tenant].draw())
-            head = [(*key, i) for i in range(length_of(key, spec.system_prompt_blocks))]
+            head = [part(("system", tenant, system_picks[tenant].draw()), spec.system_prompt_blocks)]
         if rng.random() < spec.document_share:
-            key = ("document", tenant, document_picks[tenant].draw())
-            head += [(*key, i) for i in range(length_of(key, spec.document_blocks))]
+            head.append(part(("document", tenant, document_picks[tenant].draw()), spec.document_blocks))
         turns = 1
         while rng.random() > 1.0 / spec.mean_turns:
             turns += 1
         return _Session(tenant=tenant, session_id=session_id, head=head, turns_left=turns, history=[])
 
-    chains = _ChainIds()
-    requests: list[TraceRequest] = []
+    planned: list[PlannedRequest] = []
     pending: list[tuple[float, int, _Session]] = []  # (next turn time, tie-break, session)
     next_session_s = 0.0
     num_sessions = 0
-    while len(requests) < spec.num_requests:
+    while len(planned) < spec.num_requests:
         if not pending or next_session_s <= pending[0][0]:
             session = new_session(num_sessions)
             heapq.heappush(pending, (next_session_s, num_sessions, session))
@@ -140,46 +172,89 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
             next_session_s += rng.expovariate(spec.session_rate_per_s)
             continue
         now_s, tie, session = heapq.heappop(pending)
-        turn = len(requests)
-        message = [("message", session.session_id, turn, i) for i in range(_span(rng, spec.message_blocks))]
-        hash_ids: list[int] = []
-        chains.extend(-1, [*session.head, *session.history, *message], hash_ids)
-        answer = [("answer", session.session_id, turn, i) for i in range(_span(rng, spec.answer_blocks))]
-        requests.append(
-            TraceRequest(
+        turn = len(planned)
+        message = Part(key=("message", session.session_id, turn), num_blocks=_span(rng, spec.message_blocks))
+        parts = (*session.head, *session.history, message)
+        num_blocks = sum(p.num_blocks for p in parts)
+        answer = Part(key=("answer", session.session_id, turn), num_blocks=_span(rng, spec.answer_blocks))
+        tokens = spec.block_tokens
+        planned.append(
+            PlannedRequest(
                 timestamp_ms=round(now_s * 1000.0, 3),
-                hash_ids=tuple(hash_ids),
-                tenant=f"t{session.tenant}",
-                input_length=len(hash_ids) * spec.block_tokens - rng.randrange(spec.block_tokens),
-                output_length=max(len(answer), 1) * spec.block_tokens - rng.randrange(spec.block_tokens),
+                tenant=session.tenant,
+                session_id=session.session_id,
+                parts=parts,
+                input_length=num_blocks * tokens - rng.randrange(tokens),
+                output_length=max(answer.num_blocks, 1) * tokens - rng.randrange(tokens),
             )
         )
-        session.history += message + answer
+        session.history += [message, answer]
         session.turns_left -= 1
         if session.turns_left > 0:
             heapq.heappush(pending, (now_s + rng.expovariate(1.0 / spec.mean_think_s), tie, session))
+    return planned
+
+
+def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
+    """Requests of the workload in arrival order, with tenant names ``t0 … t{n-1}``."""
+    chains = _ChainIds()
+    requests: list[TraceRequest] = []
+    for plan in plan_workload(spec):
+        hash_ids: list[int] = []
+        units = [(*p.key, i) for p in plan.parts for i in range(p.num_blocks)]
+        chains.extend(-1, units, hash_ids)
+        requests.append(
+            TraceRequest(
+                timestamp_ms=plan.timestamp_ms,
+                hash_ids=tuple(hash_ids),
+                tenant=plan.tenant_name,
+                input_length=plan.input_length,
+                output_length=plan.output_length,
+            )
+        )
     return requests
 
 
-def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, str]:
-    parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="JSONL file to write")
-    defaults = WorkloadSpec()
-    for field in fields(WorkloadSpec):
-        default = getattr(defaults, field.name)
+def _add_fields(parser: Any, spec: Any) -> None:
+    """One flag on ``parser`` (a parser or argument group) per dataclass field of ``spec``, whose values
+    are the defaults."""
+    for field in fields(spec):
+        default = getattr(spec, field.name)
         flag = "--" + field.name.replace("_", "-")
         if isinstance(default, tuple):
             parser.add_argument(flag, type=int, nargs=2, default=default, metavar=("MIN", "MAX"))
         else:
             parser.add_argument(flag, type=type(default), default=default)
+
+
+def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, dict[str, Any] | None, str]:
+    """The workload spec, the chat options (None without ``--chat``) and the output path."""
+    from bench.chat_workload import ChatSpec  # imported here: chat_workload builds on this module
+
+    parser = argparse.ArgumentParser(prog="python -m bench.workloads", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSONL file to write")
+    parser.add_argument(
+        "--chat", action="store_true", help="write chat requests (messages, tools) instead of block ids"
+    )
+    _add_fields(parser, WorkloadSpec())
+    _add_fields(parser.add_argument_group("chat requests (--chat)"), ChatSpec())
     args = vars(parser.parse_args(argv))
-    out = args.pop("out")
+    out, chat = args.pop("out"), args.pop("chat")
+    chat_options = {f.name: args.pop(f.name) for f in fields(ChatSpec)}
     spec = WorkloadSpec(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
-    return spec, out
+    return spec, chat_options if chat else None, out
 
 
 def main(argv: list[str] | None = None) -> None:
-    spec, out = _parse_args(argv)
+    spec, chat_options, out = _parse_args(argv)
+    if chat_options is not None:
+        from bench.chat_workload import ChatSpec, chat_workload
+
+        chat_requests = chat_workload(spec, ChatSpec(**chat_options))
+        with open(out, "w", encoding="utf-8") as lines:
+            lines.writelines(request.to_json() + "\n" for request in chat_requests)
+        print(f"wrote {len(chat_requests)} chat requests, {spec.num_tenants} tenants to {out}")
+        return
     requests = generate_workload(spec)
     write_trace(out, requests)
     num_blocks = sum(len(r.hash_ids) for r in requests)
