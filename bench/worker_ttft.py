@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--model", default="random-bench", help="worker --model (default: the bench preset)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="worker --threads (0: one per core)")
     parser.add_argument("--plot", type=Path, default=Path("bench/out/worker_ttft.png"))
     args = parser.parse_args()
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -155,6 +156,8 @@ def main() -> None:
         str(max(lengths) + 128),
         "--num-blocks",
         str(3 * max(lengths) // 16 + 64),
+        "--threads",
+        str(args.threads),
     ]
     rng = random.Random(0)
     with worker_process(*worker_args) as url, Progress(console=console, transient=True) as progress:

@@ -19,6 +19,7 @@ class WorkerConfig:
     port: int = 8100
     dtype: str = "float32"
     device: str = "auto"  # "auto": cuda when available, else cpu
+    threads: int = 0  # CPU threads for torch (0: PyTorch's default, one per core)
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # L1 budget; num_blocks overrides it
     num_blocks: int | None = None

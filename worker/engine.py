@@ -71,6 +71,8 @@ def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: in
 class Engine:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
         self.device = config.resolved_device()
         dtype = config.torch_dtype()
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=self.device)

@@ -33,5 +33,5 @@ RANDOM_PRESETS: Mapping[str, ModelConfig] = {
     # The builtin model's shape, untrained.
     "small": _preset(hidden=256, layers=6, heads=8, kv_heads=4, inter=768, max_len=4096),
     # Benchmarks: a 4k-token prefill takes well over 0.2 s on a 2-core CPU.
-    "bench": _preset(hidden=256, layers=4, heads=4, kv_heads=1, inter=768, max_len=32768),
+    "bench": _preset(hidden=512, layers=4, heads=8, kv_heads=2, inter=1536, max_len=32768),
 }
