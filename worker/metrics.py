@@ -31,6 +31,22 @@ GAUGES = {
 }
 
 
+TIER_EVENTS = {
+    "l3": (
+        "blocks_written",
+        "bytes_written",
+        "blocks_read",
+        "bytes_read",
+        "blocks_refused",
+        "write_errors",
+        "corrupt_deleted",
+        "foreign_deleted",
+        "files_evicted",
+    ),
+    "remote": ("blocks_written", "blocks_evicted", "blocks_read", "errors", "corrupt_deleted"),
+}
+
+
 class EngineCollector(Collector):
     def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         self._stats = stats
@@ -63,11 +79,40 @@ class EngineCollector(Collector):
         events = CounterMetricFamily(
             PREFIX + "tier_events", "Tier events (writes, errors, damage)", labels=["tier", "event"]
         )
-        for tier in ("l3", "remote"):
-            for event, value in (tiers.get(tier) or {}).items():
-                if event.endswith("_total"):
-                    events.add_metric([tier, event.removesuffix("_total")], value)
+        for tier, names in TIER_EVENTS.items():
+            if tier in tiers:  # every known event from 0, so rate() sees the first one
+                counters = tiers[tier]
+                for event in sorted(
+                    set(names) | {k.removesuffix("_total") for k in counters if k.endswith("_total")}
+                ):
+                    events.add_metric([tier, event], counters.get(event + "_total", 0))
         yield events
+        up = GaugeMetricFamily(
+            PREFIX + "tier_accepting",
+            "1 while a tier takes writes (disk not full, Redis reachable)",
+            labels=["tier"],
+        )
+        for tier, key in (("l3", "accepting"), ("remote", "available")):
+            if tier in tiers:
+                up.add_metric([tier], tiers[tier].get(key, 0))
+        yield up
+        occupancy = GaugeMetricFamily(PREFIX + "tier_blocks", "Blocks held by a lower tier", labels=["tier"])
+        capacity = GaugeMetricFamily(
+            PREFIX + "tier_bytes", "Bytes held by a lower tier and its budget", labels=["tier", "kind"]
+        )
+        if "l2" in tiers:
+            occupancy.add_metric(["l2"], tiers["l2"].get("blocks", 0))
+        if "l3" in tiers:
+            occupancy.add_metric(["l3"], tiers["l3"].get("blocks", 0))
+            capacity.add_metric(["l3", "used"], tiers["l3"].get("bytes", 0))
+            capacity.add_metric(["l3", "budget"], tiers["l3"].get("budget_bytes", 0))
+        yield occupancy
+        yield capacity
+        dropped = CounterMetricFamily(
+            PREFIX + "demotions_dropped", "Blocks not demoted because the writer queue was full"
+        )
+        dropped.add_metric([], tiers.get("demotions_dropped_total", 0))
+        yield dropped
 
 
 def render(stats: Callable[[], Mapping[str, Any]]) -> bytes:
