@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads sleep instead of spinning: a worker shares its cores with the gateway, the database
+# and the HTTP loop (`prefixgate up`), and spinning threads delayed them measurably (docs/worker.md).
+# Must be set before torch loads its OpenMP runtime; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import logging
 
 from aiohttp import web
