@@ -54,9 +54,16 @@ class RequestOutput:
 class _Handle:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput]
+    outbox: list[tuple[_Handle, RequestOutput]]  # the engine's per-step batch, shared by every handle
 
     def push(self, output: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, output)
+        """Queue an output; ``Engine._flush_outputs`` hands a step's outputs over in one wake-up."""
+        self.outbox.append((self, output))
+
+
+def _deliver(batch: list[tuple[_Handle, RequestOutput]]) -> None:
+    for handle, output in batch:
+        handle.outputs.put_nowait(output)
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
@@ -116,6 +123,7 @@ class Engine:
             "engine_errors_total": 0,
         }
         self._handles: dict[str, _Handle] = {}
+        self._outbox: list[tuple[_Handle, RequestOutput]] = []  # filled by the engine thread only
         self._sequences: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -204,7 +212,7 @@ class Engine:
         self.validate(prompt_token_ids, sampling)
         if request_id in self._handles:
             raise RequestError(f"request id {request_id!r} is already running")
-        handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue())
+        handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -293,6 +301,18 @@ class Engine:
                     log.exception("engine step failed")
                     self.counters["engine_errors_total"] += 1
                     self._fail_all(f"engine error: {type(exc).__name__}")
+            self._flush_outputs()
+
+    def _flush_outputs(self) -> None:
+        """Hand this iteration's outputs to the event loop in one wake-up (not one per token)."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, RequestOutput]]] = {}
+        for handle, output in self._outbox:
+            by_loop.setdefault(handle.loop, []).append((handle, output))
+        self._outbox.clear()
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _handle_command(self, command: str, arg: Any) -> None:
         if command == "add":

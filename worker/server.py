@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from worker.config import WorkerConfig
@@ -156,7 +157,7 @@ async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[
                 }
             else:
                 line = {"type": "delta", "text": out.text, "token_ids": out.token_ids}
-            await response.write(json.dumps(line).encode() + b"\n")
+            await response.write(orjson.dumps(line) + b"\n")
     except (ConnectionResetError, ConnectionError):
         # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.
         log.info("client of %s disconnected", request_id)
