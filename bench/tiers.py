@@ -235,7 +235,8 @@ def plot(ttft_ms: dict[str, float], restore: dict[str, float], limits: dict[str,
     left.bar(
         list(ttft_ms), list(ttft_ms.values()), color=["#888" if k == "recompute" else "#3a7" for k in ttft_ms]
     )
-    left.set_ylabel("TTFT (ms)")
+    left.set_yscale("log")
+    left.set_ylabel("TTFT (ms, log scale)")
     left.set_title("TTFT by the source of the cached context")
     right.bar(list(restore), list(restore.values()))
     right.axhline(limits["memcpy_gbps"], color="r", linestyle="--", label="memcpy")
