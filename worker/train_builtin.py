@@ -26,7 +26,14 @@ import torch.nn.functional as F
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from worker.model.loader import BUILTIN_DIR, BUILTIN_MODEL_ID, LoadedModel, random_model, save_hf_dir
+from worker.model.loader import (
+    BUILTIN_DIR,
+    BUILTIN_MODEL_ID,
+    LoadedModel,
+    load_hf_dir,
+    random_model,
+    save_hf_dir,
+)
 from worker.tokenizer import BYTE_CHAT_TEMPLATE, TokenizerBundle
 
 SYSTEM_PROMPT = "You are a helpful assistant that answers questions about Python."
@@ -150,13 +157,33 @@ def build_corpus(seed: int) -> bytes:
     return "".join(pieces).encode()
 
 
+def fp8_kv_noise(x: torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """The fp8 disk/Redis codec's round trip on [B, T, heads, dim] keys or values, straight-through.
+
+    Scales are per block of ``block_size`` positions and per head, exactly as ``worker.tiers.codec``
+    stores them, so the model learns to tolerate what a lossy tier gives back.
+    """
+    batch, length, heads, dim = x.shape
+    usable = length - length % block_size
+    blocks = x[:, :usable].reshape(batch, usable // block_size, block_size, heads, dim)
+    scale = (blocks.detach().abs().amax(dim=(2, 4), keepdim=True) / 448.0).clamp(min=1e-12)
+    rounded = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    noisy = blocks + (rounded - blocks).detach()
+    return torch.cat([noisy.reshape(batch, usable, heads, dim), x[:, usable:]], dim=1)
+
+
 def _encode(tokenizer: TokenizerBundle, corpus: bytes) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(corpus.decode(), add_special_tokens=False), dtype=torch.long)
 
 
-def train(*, minutes: float, seq_len: int, batch: int, lr: float, seed: int) -> tuple[LoadedModel, dict]:
+def train(
+    *, minutes: float, seq_len: int, batch: int, lr: float, seed: int, init: Path | None, kv_noise: float
+) -> tuple[LoadedModel, dict]:
     torch.manual_seed(seed)
-    loaded = random_model("small", dtype=torch.float32, device=torch.device("cpu"), seed=seed)
+    if init is not None:  # continue from a checkpoint (fine-tuning)
+        loaded = load_hf_dir(init, dtype=torch.float32, device=torch.device("cpu"), model_id=BUILTIN_MODEL_ID)
+    else:
+        loaded = random_model("small", dtype=torch.float32, device=torch.device("cpu"), seed=seed)
     model = loaded.model.train()
     data = _encode(loaded.tokenizer, build_corpus(seed))
     split = int(len(data) * 0.98)
@@ -170,8 +197,8 @@ def train(*, minutes: float, seq_len: int, batch: int, lr: float, seed: int) -> 
         starts = torch.randint(0, len(ids) - seq_len - 1, (batch,), generator=gen)
         return torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
 
-    def loss_on(rows: torch.Tensor) -> torch.Tensor:
-        logits = model.forward_dense(rows[:, :-1])
+    def loss_on(rows: torch.Tensor, *, noisy: bool = False) -> torch.Tensor:
+        logits = model.forward_dense(rows[:, :-1], fp8_kv_noise if noisy else None)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
 
     start = time.monotonic()
@@ -189,7 +216,8 @@ def train(*, minutes: float, seq_len: int, batch: int, lr: float, seed: int) -> 
             scale = min(1.0, elapsed / warmup_s) * 0.5 * (1 + math.cos(math.pi * frac))
             for group in opt.param_groups:
                 group["lr"] = lr * max(scale, 0.02)
-            loss = loss_on(batch_from(train_ids))
+            # A share of the batches see the fp8 cache tier's rounding of keys and values.
+            loss = loss_on(batch_from(train_ids), noisy=bool(torch.rand((), generator=gen) < kv_noise))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -213,6 +241,8 @@ def train(*, minutes: float, seq_len: int, batch: int, lr: float, seed: int) -> 
         "batch": batch,
         "lr": lr,
         "seed": seed,
+        "init": str(init) if init else None,
+        "kv_noise": kv_noise,
     }
     return loaded, stats
 
@@ -225,9 +255,19 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=BUILTIN_DIR)
+    parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint (fine-tune)")
+    parser.add_argument(
+        "--kv-noise", type=float, default=0.0, help="share of batches trained with fp8 KV noise"
+    )
     args = parser.parse_args()
     loaded, stats = train(
-        minutes=args.minutes, seq_len=args.seq_len, batch=args.batch, lr=args.lr, seed=args.seed
+        minutes=args.minutes,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+        init=args.init,
+        kv_noise=args.kv_noise,
     )
     named = LoadedModel(
         model=loaded.model,

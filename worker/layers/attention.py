@@ -9,6 +9,7 @@ full attention to the cached context before it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -138,9 +139,21 @@ class PagedAttention(nn.Module):
         )
         return out[0].transpose(0, 1)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Cache-free causal attention over [B, T, hidden] (training and reference checks)."""
+    def forward_dense(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Cache-free causal attention over [B, T, hidden] (training and reference checks).
+
+        ``kv_transform`` is applied to keys and values [B, T, kv_heads, head_dim] before attending (training
+        with simulated KV quantization, so the model tolerates a lossy cache tier).
+        """
         q, k, v = self._project(x, cos, sin)
+        if kv_transform is not None:
+            k, v = kv_transform(k), kv_transform(v)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -10,6 +12,8 @@ from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.model.config import ModelConfig
+
+KVTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -38,8 +42,10 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin)
+    def forward_dense(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_transform: KVTransform | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin, kv_transform)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -79,11 +85,14 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits for selected hidden rows."""
         return self.lm_head(hidden).float()
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [B, T] from position 0. Returns float32 logits [B, T, vocab]."""
+    def forward_dense(self, input_ids: torch.Tensor, kv_transform: KVTransform | None = None) -> torch.Tensor:
+        """input_ids: [B, T] from position 0. Returns float32 logits [B, T, vocab].
+
+        ``kv_transform`` alters every layer's keys and values (training against a lossy KV codec).
+        """
         x = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer.forward_dense(x, cos, sin)
+            x = layer.forward_dense(x, cos, sin, kv_transform)
         return self.logits(self.norm(x))
