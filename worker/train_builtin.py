@@ -97,6 +97,20 @@ STDLIB_MODULES = (
 )
 
 
+HELD_OUT_MODULES = (  # never in the training corpus: an honest test of what the model learned
+    "email",
+    "http.client",
+    "sqlite3",
+    "asyncio",
+    "urllib.parse",
+    "xml.etree.ElementTree",
+    "zipfile",
+    "tarfile",
+    "configparser",
+    "secrets",
+)
+
+
 def _first_paragraphs(text: str, limit: int) -> str:
     """Leading paragraphs of ``text`` up to about ``limit`` characters, cut on a paragraph boundary."""
     out = []
@@ -155,6 +169,33 @@ def build_corpus(seed: int) -> bytes:
         pieces.append("<|bos|>" + text.strip() + "\n")
     rng.shuffle(pieces)
     return "".join(pieces).encode()
+
+
+def held_out_text() -> str:
+    """Docstrings of standard-library modules the corpus does not include."""
+    texts = []
+    for module_name in HELD_OUT_MODULES:
+        module = importlib.import_module(module_name)
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 40:
+                texts.append(doc)
+    return "\n\n".join(texts)
+
+
+@torch.inference_mode()
+def held_out_loss(loaded: LoadedModel, seq_len: int, max_windows: int = 24) -> float:
+    """Mean next-byte loss (nats) on ``held_out_text`` in windows of ``seq_len`` bytes."""
+    ids = torch.tensor(loaded.tokenizer.encode(held_out_text()), dtype=torch.long)
+    windows = min(max_windows, (len(ids) - 1) // seq_len)
+    losses = []
+    for i in range(windows):
+        chunk = ids[i * seq_len : (i + 1) * seq_len + 1]
+        logits = loaded.model.forward_dense(chunk[None, :-1])[0]
+        losses.append(F.cross_entropy(logits, chunk[1:]).item())
+    return sum(losses) / len(losses)
 
 
 def fp8_kv_noise(x: torch.Tensor, block_size: int = 16) -> torch.Tensor:
@@ -256,10 +297,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=BUILTIN_DIR)
     parser.add_argument("--init", type=Path, default=None, help="start from this checkpoint (fine-tune)")
+    parser.add_argument("--kv-noise", type=float, default=0.0, help="share of batches with fp8 KV rounding")
     parser.add_argument(
-        "--kv-noise", type=float, default=0.0, help="share of batches trained with fp8 KV noise"
+        "--evaluate", type=Path, default=None, help="only report this model's held-out losses"
     )
     args = parser.parse_args()
+    if args.evaluate is not None:
+        model = load_hf_dir(args.evaluate, dtype=torch.float32, device=torch.device("cpu"))
+        print(json.dumps({f"held_out_loss_{n}": round(held_out_loss(model, n), 4) for n in (512, 1536)}))
+        return
     loaded, stats = train(
         minutes=args.minutes,
         seq_len=args.seq_len,
@@ -277,6 +323,8 @@ def main() -> None:
         weights_digest=loaded.weights_digest,
     )
     save_hf_dir(named, args.out, dtype=torch.bfloat16)
+    saved = load_hf_dir(args.out, dtype=torch.float32, device=torch.device("cpu"))
+    stats |= {f"held_out_loss_{n}": round(held_out_loss(saved, n), 4) for n in (512, 1536)}
     (args.out / "training.json").write_text(json.dumps(stats, indent=2))
     print(json.dumps(stats))
 
