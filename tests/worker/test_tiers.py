@@ -214,3 +214,49 @@ async def test_redis_stopping_mid_run_only_causes_misses(make_engine, tmp_path):
         assert "remote" in failed
     finally:
         server.kill()
+
+
+def test_redis_quota_partition_protects_a_dedicated_namespace(redis_url):
+    import torch
+
+    from worker.tiers.entry import BlockRecord
+    from worker.tiers.host import DemotedBlock
+    from worker.tiers.remote import RemoteTier
+
+    shape = (2, 2, 16, 2, 16)
+    tier = RemoteTier(
+        redis_url,
+        fingerprint=b"quota-test" * 4,
+        codec="none",
+        block_shape=shape,
+        dtype=torch.float32,
+        budget_bytes=20 * 9000,
+        ttl_s=60,
+        timeout_s=1.0,
+    )
+    tier.set_reservation("t-dedicated", 10 * 9000)
+
+    def blocks(ns: str, first: int, count: int) -> list[DemotedBlock]:
+        return [
+            DemotedBlock(
+                record=BlockRecord(
+                    block_hash=bytes([i % 256, i // 256]) * 16, parent_hash=None, token_ids=tuple(range(16))
+                ),
+                namespace_id=ns,
+                position=0,
+                data=torch.full(shape, float(i)),
+            )
+            for i in range(first, first + count)
+        ]
+
+    mine = blocks("t-dedicated", 0, 8)
+    tier.put(mine)
+    tier.put(blocks("t-other", 100, 60))  # three times the shared budget: the shared LRU evicts its own
+    hashes = [b.record.block_hash for b in mine]
+    records, data = tier.get_run(["t-dedicated"] * 8, hashes, [list(range(16))] * 8)
+    assert len(records) == 8 and data is not None and data[3].flatten()[0].item() == 3.0
+    others = [b.record.block_hash for b in blocks("t-other", 100, 60)]
+    survivors, _ = tier.get_run(["t-other"] * 60, others, [list(range(16))] * 60)
+    assert len(survivors) < 30  # the first ones were evicted to fit the shared budget
+    assert tier.purge("t-dedicated") == 8
+    assert tier.get_run(["t-dedicated"], hashes[:1], [list(range(16))])[0] == []

@@ -82,11 +82,27 @@ class RemoteTier:
             f"{self.prefix}:bytes",
         )
         self._put = self.client.register_script(_PUT_SCRIPT)
+        self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition
         self._down_until = 0.0
         self.counters: Counter[str] = Counter()
 
     def key(self, namespace_id: str, block_hash: BlockHash) -> str:
         return f"{self.prefix}:{namespace_id}:{block_hash.hex()}"
+
+    def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
+        """Give a dedicated owner its own LRU partition of ``num_bytes``: others' writes never evict it."""
+        if num_bytes > 0:
+            self._quotas[namespace_id] = num_bytes
+        else:
+            self._quotas.pop(namespace_id, None)
+
+    def _accounting(self, namespace_id: str) -> tuple[list[str], int]:
+        """(LRU set, sizes hash, byte counter) keys and the budget that a namespace's blocks count against."""
+        quota = self._quotas.get(namespace_id)
+        if quota is None:
+            return [self._lru, self._sizes, self._total], self.budget_bytes
+        part = f"{self.prefix}:~quota:{namespace_id}"
+        return [f"{part}:lru", f"{part}:sizes", f"{part}:bytes"], quota
 
     @property
     def available(self) -> bool:
@@ -115,13 +131,9 @@ class RemoteTier:
                     blocks=[block.record],
                     payloads=[data],
                 )
-                keys = [
-                    self.key(block.namespace_id, block.record.block_hash),
-                    self._lru,
-                    self._sizes,
-                    self._total,
-                ]
-                self._put(keys=keys, args=[entry, self.ttl_ms, now_ms, self.budget_bytes], client=pipe)
+                accounting, budget = self._accounting(block.namespace_id)
+                keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
+                self._put(keys=keys, args=[entry, self.ttl_ms, now_ms, budget], client=pipe)
             evicted = pipe.execute()
         except ERRORS as exc:
             self._failed(exc)
@@ -176,7 +188,9 @@ class RemoteTier:
                     found += 1
                 if found:
                     touch = self.client.pipeline(transaction=False)
-                    touch.zadd(self._lru, {key: int(time.time() * 1000) for key in keys[:found]})
+                    now_ms = int(time.time() * 1000)
+                    for key, ns in zip(keys[:found], namespace_ids[start : start + found], strict=True):
+                        touch.zadd(self._accounting(ns)[0][0], {key: now_ms})
                     for key in keys[:found]:
                         touch.pexpire(key, self.ttl_ms)
                     touch.execute()
@@ -200,15 +214,20 @@ class RemoteTier:
         """
         erased = 0
         try:
+            partition = f"{self.prefix}:~quota:{namespace_id}"
+            books = [(self._lru, self._sizes, self._total)]
+            books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
             for key in self.client.scan_iter(match=f"{self.prefix}:{namespace_id}:*", count=500):
                 pipe = self.client.pipeline()
-                pipe.hget(self._sizes, key)
                 pipe.delete(key)
-                pipe.zrem(self._lru, key)
-                pipe.hdel(self._sizes, key)
-                size, deleted, *_ = pipe.execute()
-                if size:
-                    self.client.decrby(self._total, int(size))
+                for lru, sizes, _ in books:  # the block may be booked in the shared LRU or the owner's
+                    pipe.hget(sizes, key)
+                    pipe.zrem(lru, key)
+                    pipe.hdel(sizes, key)
+                deleted, *rest = pipe.execute()
+                for (_, _, total), size in zip(books, rest[0::3], strict=True):
+                    if size:
+                        self.client.decrby(total, int(size))
                 erased += int(deleted)
         except ERRORS as exc:
             self._failed(exc)

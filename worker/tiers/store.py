@@ -328,10 +328,13 @@ class TieredStore:
 
     # ---- maintenance -------------------------------------------------------------------------------
     def set_reservation(self, namespace_id: str, num_blocks: int) -> None:
-        """A dedicated owner's quota, applied in L2 (blocks) and L3 (the same number of blocks' bytes)."""
+        """A dedicated owner's quota in L2 (blocks), L3 and Redis (the same number of blocks' bytes)."""
         self.l2.index.set_reservation(namespace_id, num_blocks)
         if self.disk is not None:
             self.disk.set_reservation(namespace_id, num_blocks * self.disk.block_payload_bytes)
+        if self.remote is not None:  # payload plus the entry header (hashes, tokens, checksums)
+            per_block = self.remote.codec.payload_bytes(self.block_shape, self.dtype) + 1024
+            self.remote.set_reservation(namespace_id, num_blocks * per_block)
 
     def wait_for_writes(self) -> None:
         """Block until every queued demotion has been written."""
