@@ -118,13 +118,6 @@ class Scheduler:
                 budget -= self._plan_chunk(seq, budget, out)
         return out
 
-    @property
-    def is_waiting_on_io(self) -> bool:
-        """Nothing can run until a prefetch or a copy finishes."""
-        return all(s.status is Status.LOADING for s in self.running) and all(
-            s.prefetching for s in self.waiting
-        )
-
     def _plan_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         length = min(budget, seq.num_prefill_tokens - seq.num_computed_tokens)
         out.prefills.append(PrefillChunk(seq=seq, start=seq.num_computed_tokens, length=length))

@@ -70,10 +70,6 @@ class Sequence:
         """Owner of the sequence's private tail (its last segment)."""
         return self.segments[-1].namespace_id
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_at(self, index: int) -> int:
         """Token ``index`` of prompt + output, without building the joined list."""
         prompt = len(self.prompt_token_ids)

@@ -75,7 +75,6 @@ class PrefetchResult:
     sources: list[str]
     namespace_ids: list[str]
     data: torch.Tensor | None
-    seconds: float
 
 
 class Bandwidth:
@@ -258,7 +257,6 @@ class TieredStore:
         self._readers.submit(self._fetch, plan)
 
     def _fetch(self, plan: PrefetchPlan) -> None:
-        started = time.perf_counter()
         records: list[BlockRecord] = []
         sources: list[str] = []
         parts: list[torch.Tensor] = []
@@ -298,7 +296,6 @@ class TieredStore:
             sources=sources,
             namespace_ids=plan.namespace_ids[: len(records)],
             data=data,
-            seconds=time.perf_counter() - started,
         )
         self._post(("prefetched", result))
 
