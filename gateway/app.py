@@ -13,8 +13,10 @@ from aiohttp import web
 
 from gateway import openai_api
 from gateway.admin_api import create_admin_app
+from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
+from gateway.cpu import CpuPool
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
@@ -24,6 +26,7 @@ from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
 from gateway.state import (
+    ADMISSION,
     CANONICALIZER,
     CONFIG,
     ENGINE,
@@ -58,8 +61,12 @@ async def _stop(task: asyncio.Task) -> None:
 
 
 async def rate_limit_ctx(app: web.Application) -> AsyncIterator[None]:
-    redis_url = app[CONFIG].redis_url
-    app[RATE_LIMITER] = RedisRateLimiter(redis_url) if redis_url else LocalRateLimiter()
+    config = app[CONFIG]
+    app[RATE_LIMITER] = (
+        RedisRateLimiter(config.redis_url, pause_s=config.ratelimit_pause_s)
+        if config.redis_url
+        else LocalRateLimiter()
+    )
     yield
     await app[RATE_LIMITER].close()
 
@@ -132,7 +139,13 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False
     )
-    pool = WorkerPool(config.worker_urls, session, timeout_s=config.worker_timeout_s)
+    pool = WorkerPool(
+        config.worker_urls,
+        session,
+        timeout_s=config.worker_timeout_s,
+        health_timeout_s=config.worker_health_timeout_s,
+    )
+    cpu = CpuPool(num_threads=config.cpu_threads, max_waiting=config.cpu_queue_max)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
     pipeline = RequestPipeline(
         pool=pool,
@@ -142,6 +155,8 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_blocks=config.affinity_blocks,
         prompt_steps=[app[CANONICALIZER]],
         promotion=app[PROMOTION],
+        cpu=cpu,
+        max_prompt_chars=config.max_prompt_chars,
     )
     app[PIPELINE] = pipeline
     await pool.check_all()
@@ -149,6 +164,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await _stop(checker)
     await pipeline.close()
+    cpu.close()
     await session.close()
 
 
@@ -160,6 +176,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     refreshed = request.app[POLICY_CACHE].last_refresh_monotonic
     metrics.policy_age.set(-1 if refreshed is None else time.monotonic() - refreshed)
     metrics.hot_prefixes.set(len(request.app[POLICY_CACHE].promoted_hashes))
+    metrics.in_flight.set(request.app[ADMISSION].in_flight)
     body, content_type = metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -176,6 +193,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
     app[METRICS] = GatewayMetrics()
     app[CANONICALIZER] = CanonicalizationStep()
     app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])

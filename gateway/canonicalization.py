@@ -83,12 +83,12 @@ class CanonicalizationStep:
         def render(plain: dict[str, Any]) -> str:
             return model.render_chat(plain["messages"], plain.get("tools"), add_generation_prompt=False)
 
-        def count_tokens(text: str) -> int:
-            return len(model.encode_chat(text))
+        def token_starts(text: str) -> list[int]:
+            return [start for start, _ in model.tokenize_chat(text).offsets]
 
         try:
             report = lint_prompt(
-                _plain(request), policy=self.policy(tenant), render=render, count_tokens=count_tokens
+                _plain(request), policy=self.policy(tenant), render=render, token_starts=token_starts
             )
         except TemplateError as exc:
             raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc

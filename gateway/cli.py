@@ -29,6 +29,8 @@ POLICY_OPTIONS = {
     "--price-output-per-mtok": ("price_output_per_mtok", float),
     "--max-tokens-limit": ("max_tokens_limit", int),
     "--rate-limit-rpm": ("rate_limit_rpm", int),
+    "--rate-limit-tpm": ("rate_limit_tpm", int),
+    "--max-concurrent-requests": ("max_concurrent_requests", int),
 }
 
 

@@ -28,6 +28,10 @@ class GatewayConfig:
     admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
     namespace_salt: str | None = field(default=None, repr=False)  # None: generated in the data dir
     max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 1_000_000  # characters of messages / prompt, checked before rendering (413)
+    max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
+    cpu_threads: int = 4  # threads for render, canonicalize, tokenize, hash (off the event loop)
+    cpu_queue_max: int = 64  # requests waiting for those threads; more get 503 at once
     default_max_tokens: int = 512  # when a request gives none (capped by the context window)
     policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
     usage_flush_s: float = 0.5
@@ -37,6 +41,7 @@ class GatewayConfig:
     router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     worker_health_interval_s: float = 2.0
+    worker_health_timeout_s: float = 2.0  # a worker that does not answer /healthz in this is lost (hung)
     worker_timeout_s: float = 600.0
     price_input_per_mtok: float = 1.0  # defaults for tenants without their own prices
     price_cached_input_per_mtok: float = 0.1
@@ -45,6 +50,7 @@ class GatewayConfig:
     promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 2 if set lower)
     promotion_store_text: bool = True  # keep a promoted prefix's text for admins (GET …/hot-prefixes/{id})
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
+    ratelimit_pause_s: float = 5.0  # Redis rate limits pause (local limits) this long after an error
     purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
     log_level: str = "INFO"
 

@@ -16,13 +16,29 @@ class APIError(Exception):
     status = 400
     type = "invalid_request_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After (429 and 503)
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})  # extra response headers (x-ratelimit-*)
+
+    def response_headers(self) -> dict[str, str]:
+        retry = {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return {**self.headers, **retry}
 
     def to_json(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -70,6 +86,7 @@ class RateLimited(APIError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
+    retry_after_s = 1
 
 
 class UpstreamError(APIError):
@@ -80,10 +97,11 @@ class UpstreamError(APIError):
 class Unavailable(APIError):
     status = 503
     type = "service_unavailable"
+    retry_after_s = 1
 
 
 def error_response(error: APIError) -> web.Response:
-    return web.json_response(error.to_json(), status=error.status)
+    return web.json_response(error.to_json(), status=error.status, headers=error.response_headers())
 
 
 _HTTP_TYPES = {

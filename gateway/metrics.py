@@ -43,6 +43,21 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS_S,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "prefixgate_queue_seconds",
+            "From arrival to the worker call (admission, CPU pool wait, render, tokenize, route)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefixgate_time_to_first_token_seconds",
+            "From arrival to the first streamed event from the worker",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge("prefixgate_requests_in_flight", "Tenant requests in flight", registry=r)
         self.auth_failures = Counter("prefixgate_auth_failures", "Rejected tenant API keys", registry=r)
         self.spool_depth = Gauge(
             "prefixgate_usage_spool_depth", "Usage records waiting in the spool", registry=r

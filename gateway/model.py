@@ -110,6 +110,16 @@ class ModelRuntime:
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._template = compile_chat_template(info.chat_template) if info.chat_template else None
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """Most characters one token can cover (its vocabulary string's length, at least 1): a text
+        of N non-blank characters has at least N // max_token_chars tokens, known without tokenizing."""
+        if self._max_token_chars is None:
+            vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max([1, *map(len, vocab)])
+        return self._max_token_chars
 
     @property
     def vocab_size(self) -> int:

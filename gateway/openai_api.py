@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import PreparedRequest, new_request_id
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
 from gateway.state import (
+    ADMISSION,
     CANONICALIZER,
     METRICS,
     PIPELINE,
@@ -65,15 +66,23 @@ class TenantCall:
     num_prompt_tokens: int = 0  # known before the worker answers
     usage: dict[str, Any] | None = None  # the worker's usage, when it answered
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
+    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
+    started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
 
 
 @contextlib.asynccontextmanager
 async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[TenantCall]:
     tenant = authenticate(request)
-    call = TenantCall(tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint))
     started = time.perf_counter()
+    call = TenantCall(
+        tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint), started_s=started
+    )
+    gate = request.config_dict[ADMISSION]
+    entered = False
     try:
-        await check_rate_limit(request, tenant)
+        gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)  # 503/429 at once when full
+        entered = True
+        call.rate_headers = await check_rate_limit(request, tenant)
         yield call
     except APIError as exc:
         call.status = exc.status
@@ -85,12 +94,38 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.status = 500
         raise
     finally:
+        if entered:
+            gate.leave(tenant.tenant_id)
         _record(request, call, time.perf_counter() - started)
 
 
-async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> None:
-    if not await request.config_dict[RATE_LIMITER].allow(tenant.tenant_id, tenant.rate_limit_rpm):
-        raise RateLimited(f"rate limit of {tenant.rate_limit_rpm} requests per minute reached")
+async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[str, str]:
+    """Count one request against the tenant's requests per minute; its x-ratelimit-* headers."""
+    decision = await request.config_dict[RATE_LIMITER].check(f"r:{tenant.tenant_id}", tenant.rate_limit_rpm)
+    headers = decision.headers("requests")
+    if not decision.allowed:
+        raise RateLimited(
+            f"rate limit of {tenant.rate_limit_rpm} requests per minute reached",
+            retry_after_s=decision.retry_after_s,
+            headers=headers,
+        )
+    return headers
+
+
+async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
+    """Count a request's tokens (prompt + max_tokens) against the tenant's tokens per minute."""
+    limit = call.tenant.rate_limit_tpm
+    decision = await request.config_dict[RATE_LIMITER].check(f"t:{call.tenant.tenant_id}", limit, num_tokens)
+    call.rate_headers.update(decision.headers("tokens"))
+    if not decision.allowed:
+        too_big = limit is not None and num_tokens > limit
+        raise RateLimited(
+            f"this request needs {num_tokens} tokens (prompt + max_tokens) and the limit of {limit} "
+            + ("tokens per minute can never fit it" if too_big else "tokens per minute is reached"),
+            code="tokens_exceeded" if too_big else "rate_limit_exceeded",
+            retry_after_s=decision.retry_after_s,
+            headers=call.rate_headers,
+        )
 
 
 def _record_prompt_work(
@@ -145,28 +180,36 @@ async def _serve(
     call.model = parsed.model
     started = time.perf_counter()
     prepared = await pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
-    request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
+    metrics = request.config_dict[METRICS]
+    metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     call.prepared = prepared
+    await check_token_limit(request, call, call.num_prompt_tokens + (prepared.sampling.max_tokens or 0))
+    metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:
         return await _stream(request, call, prepared)
     result = await pipeline.generate(prepared)
     call.usage = result.get("usage")
-    return openai_format.json_response(formatter(prepared, result), headers=_headers(prepared))
+    return openai_format.json_response(formatter(prepared, result), headers=_headers(call, prepared))
 
 
-def _headers(prepared: PreparedRequest) -> dict[str, str]:
+def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
     if prepared.endpoint != "chat.completions":
-        return {}
-    return {CANONICALIZED_HEADER: str(prepared.num_canonicalized)}
+        return dict(call.rate_headers)
+    return {**call.rate_headers, CANONICALIZED_HEADER: str(prepared.num_canonicalized)}
 
 
 async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
     writer = openai_format.ChunkWriter(prepared)
     async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
         event = await anext(events, None)  # errors before the first token are plain HTTP errors
+        request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(prepared)}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **_headers(call, prepared),
+            }
         )
         await response.prepare(request)
         first = writer.first()
@@ -204,10 +247,13 @@ async def prompt_lint(request: web.Request) -> web.Response:
     """What canonicalization would change in a chat request, and the prompt tokens of reuse it costs.
     Rate-limited like any tenant call; not billed (no usage record)."""
     tenant = authenticate(request)
-    await check_rate_limit(request, tenant)
+    headers = await check_rate_limit(request, tenant)
     parsed = parse_chat(await read_json(await request.read()))
-    model = request.config_dict[PIPELINE].resolve_model(parsed.model)
-    return openai_format.json_response(request.config_dict[CANONICALIZER].lint(tenant, model, parsed))
+    pipeline = request.config_dict[PIPELINE]
+    model = pipeline.resolve_model(parsed.model)
+    pipeline.check_prompt_size(parsed, model, context_window=False)
+    lint = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
+    return openai_format.json_response(lint, headers=headers)
 
 
 def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:

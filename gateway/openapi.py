@@ -116,6 +116,8 @@ _POLICY_PROPS: dict[str, Any] = {
     "price_output_per_mtok": {"type": ["number", "null"]},
     "max_tokens_limit": {"type": ["integer", "null"]},
     "rate_limit_rpm": {"type": ["integer", "null"]},
+    "rate_limit_tpm": {"type": ["integer", "null"], "description": "prompt + max_tokens per minute"},
+    "max_concurrent_requests": {"type": ["integer", "null"], "description": "in flight, per replica"},
 }
 
 

@@ -1,8 +1,13 @@
 """The request pipeline: what happens between an authenticated request and the worker.
 
-    parse → prompt steps (canonicalization) → render chat template → tokenize → context-window check
-          → promoted-prefix length (hot-prefix promotion) → namespace segments → route
-          → worker payload → generate (non-stream or stream, cancelled when the client goes away)
+    parse → prompt-size check → prompt steps (canonicalization) → render chat template → tokenize
+          → context-window check → promoted-prefix length (hot-prefix promotion) → namespace segments
+          → route → worker payload → generate (non-stream or stream, cancelled when the client goes away)
+
+The prompt-size check runs before any rendering; rendering, canonicalization and tokenizing run on
+the bounded ``CpuPool``, off the event loop. A request that a worker did not take (unreachable, or
+its queue full: ``WorkerNotStarted``) goes to another healthy worker; one in flight on a worker found
+hung or dead ends with 503 at once (``WorkerPool.until_lost``).
 
 Each step is a plain method or a pluggable object: canonicalization is a ``PromptStep``
 (``gateway.canonicalization``), hot-prefix promotion a ``PromotionLookup`` (``gateway.promotion``).
@@ -14,23 +19,28 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+import orjson
 from tokenizers import Encoding
 
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
+from gateway.cpu import CpuPool
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, PayloadTooLarge, Unavailable
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
-from gateway.upstream import error_from_event
+from gateway.upstream import WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
+from policies.chat_text import iter_texts
 from policies.hashing import NamespaceSegment, block_hashes
 from policies.isolation import namespace_segments
 from tenancy.policy import TenantPolicy
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +151,8 @@ class RequestPipeline:
         affinity_blocks: int,
         prompt_steps: Sequence[PromptStep] = (),
         promotion: PromotionLookup | None = None,
+        cpu: CpuPool | None = None,
+        max_prompt_chars: int = 0,
     ) -> None:
         self._pool = pool
         self._router = router
@@ -150,6 +162,8 @@ class RequestPipeline:
         self._prompt_steps = tuple(prompt_steps)
         self._promotion = promotion or NoPromotion()
         self._background: set[asyncio.Task] = set()
+        self._cpu = cpu
+        self._max_prompt_chars = max_prompt_chars
 
     def resolve_model(self, model_id: str) -> ModelRuntime:
         model = self._pool.model(model_id)
@@ -158,6 +172,41 @@ class RequestPipeline:
         if not self._pool.models:
             raise Unavailable("no worker is ready yet; retry shortly")
         raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
+
+    def check_prompt_size(
+        self, request: ChatRequest | CompletionRequest, model: ModelRuntime, *, context_window: bool = True
+    ) -> None:
+        """Refuse a prompt that is too big before rendering it: over ``max_prompt_chars`` (413), or with
+        more non-blank characters than the context window can hold at the tokenizer's longest token."""
+        if isinstance(request, ChatRequest):
+            texts = [text for _, _, text in iter_texts(request.messages)]
+            num_chars = sum(map(len, texts)) + (len(orjson.dumps(request.tools)) if request.tools else 0)
+            num_solid = sum(len(text) - sum(text.count(c) for c in " \t\n\r") for text in texts)
+            param = "messages"
+        elif isinstance(request.prompt, str):
+            num_chars = len(request.prompt)
+            num_solid = num_chars - sum(request.prompt.count(c) for c in " \t\n\r")
+            param = "prompt"
+        else:
+            return  # token ids: the context-window check is exact and cheap
+        if self._max_prompt_chars and num_chars > self._max_prompt_chars:
+            raise PayloadTooLarge(
+                f"the prompt has {num_chars} characters; "
+                f"this gateway accepts at most {self._max_prompt_chars}",
+                param=param,
+            )
+        min_tokens = num_solid // model.max_token_chars
+        if context_window and min_tokens > model.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {model.max_model_len} tokens. However, your "
+                f"prompt has {num_solid} non-blank characters, at least {min_tokens} tokens. "
+                "Please reduce the length of the prompt.",
+                param=param,
+            )
+
+    async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the CPU pool (inline when the pipeline has none, as in unit tests)."""
+        return fn(*args) if self._cpu is None else await self._cpu.run(fn, *args)
 
     def render(
         self, tenant: TenantPolicy, request: ChatRequest | CompletionRequest, model: ModelRuntime
@@ -269,7 +318,8 @@ class RequestPipeline:
         request_id: str,
     ) -> PreparedRequest:
         model = self.resolve_model(request.model)
-        prompt = self.render(tenant, request, model)
+        self.check_prompt_size(request, model)
+        prompt: RenderedPrompt = await self.run_cpu(self.render, tenant, request, model)
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
         promoted = await self._promotion.promoted_prefix_tokens(tenant, model, prompt)
@@ -299,36 +349,73 @@ class RequestPipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _reroute(
+        self, prepared: PreparedRequest, error: WorkerNotStarted, tried: set[str]
+    ) -> PreparedRequest:
+        """The same request on another healthy worker, or ``error`` when none is left."""
+        if error.code == "worker_unreachable":
+            self._pool.workers[prepared.worker_url].mark_lost(error.message)  # dead: stop routing there
+        candidates = [c for c in self._pool.candidates(prepared.model.model_id) if c.url not in tried]
+        if not candidates:
+            raise error
+        worker_url = self._router.choose(RouteRequest(affinity_key=None, candidates=candidates))
+        log.info(
+            "request %s: %s (%s); sent to %s",
+            prepared.request_id,
+            error.message,
+            prepared.worker_url,
+            worker_url,
+        )
+        return replace(prepared, worker_url=worker_url)
+
     async def generate(self, prepared: PreparedRequest) -> dict[str, Any]:
-        state = self._pool.workers[prepared.worker_url]
-        state.in_flight += 1
-        try:
-            return await state.client.generate(prepared.worker_payload())
-        except asyncio.CancelledError:
-            self._abort_later(prepared)
-            raise
-        finally:
-            state.in_flight -= 1
+        tried: set[str] = set()
+        while True:
+            tried.add(prepared.worker_url)
+            state = self._pool.workers[prepared.worker_url]
+            state.in_flight += 1
+            try:
+                call = state.client.generate(prepared.worker_payload())
+                return await self._pool.until_lost(state, call, prepared.request_id)
+            except WorkerNotStarted as exc:
+                prepared = self._reroute(prepared, exc, tried)
+            except asyncio.CancelledError:
+                self._abort_later(prepared)
+                raise
+            finally:
+                state.in_flight -= 1
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
         """The worker's events; raises on an error event. Closing it early aborts the worker request."""
-        state = self._pool.workers[prepared.worker_url]
-        state.in_flight += 1
-        finished = False
-        try:
-            async with contextlib.aclosing(state.client.generate_stream(prepared.worker_payload())) as events:
-                async for event in events:
-                    kind = event.get("type")
-                    if kind == "error":
-                        finished = True
-                        raise error_from_event(event)
-                    if kind == "final":
-                        finished = True
-                    yield event
-        finally:
-            state.in_flight -= 1
-            if not finished:
-                self._abort_later(prepared)
+        tried: set[str] = set()
+        while True:
+            tried.add(prepared.worker_url)
+            state = self._pool.workers[prepared.worker_url]
+            state.in_flight += 1
+            finished = False
+            try:
+                worker_events = state.client.generate_stream(prepared.worker_payload())
+                async with contextlib.aclosing(worker_events) as events:
+                    try:
+                        event = await self._pool.until_lost(state, anext(events, None), prepared.request_id)
+                    except WorkerNotStarted as exc:
+                        finished = True  # nothing to abort there
+                        prepared = self._reroute(prepared, exc, tried)
+                        continue
+                    while event is not None:
+                        kind = event.get("type")
+                        if kind == "error":
+                            finished = True
+                            raise error_from_event(event)
+                        if kind == "final":
+                            finished = True
+                        yield event
+                        event = await self._pool.until_lost(state, anext(events, None), prepared.request_id)
+                    return
+            finally:
+                state.in_flight -= 1
+                if not finished:
+                    self._abort_later(prepared)
 
     async def close(self) -> None:
         if self._background:

@@ -1,16 +1,21 @@
-"""Per-tenant request rate limits (requests per minute).
+"""Per-tenant rate limits: requests per minute and tokens per minute.
 
-``LocalRateLimiter`` counts in this process (a sliding window): with several gateway replicas each one
-allows the full rate. ``RedisRateLimiter`` shares a fixed one-minute window between replicas through
-Redis (``INCR`` + ``EXPIRE`` in one round trip, only for tenants that have a limit) and falls back to
-the local limiter while Redis is unreachable.
+``LocalRateLimiter`` counts in this process (a weighted sliding window): with several gateway replicas
+each one allows the full rate. ``RedisRateLimiter`` shares a fixed one-minute window between replicas
+through Redis (``INCRBY`` + ``EXPIRE`` in one round trip, only for tenants that have a limit). While
+Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an error (like the
+hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per request.
+
+Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -18,9 +23,37 @@ log = logging.getLogger(__name__)
 WINDOW_S = 60.0
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RateDecision:
+    """One limit checked for one request."""
+
+    allowed: bool
+    limit: int | None  # None: unlimited
+    remaining: int  # what is left in the window after this request (0 when refused)
+    reset_s: float  # seconds until the window frees enough room (0 when nothing is used)
+
+    @classmethod
+    def unlimited(cls) -> RateDecision:
+        return cls(allowed=True, limit=None, remaining=0, reset_s=0.0)
+
+    def headers(self, kind: str) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{kind}`` (kind: requests or tokens)."""
+        if self.limit is None:
+            return {}
+        return {
+            f"x-ratelimit-limit-{kind}": str(self.limit),
+            f"x-ratelimit-remaining-{kind}": str(self.remaining),
+            f"x-ratelimit-reset-{kind}": format_reset(self.reset_s),
+        }
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self.reset_s))
+
+
 class RateLimiter(Protocol):
-    async def allow(self, tenant_id: str, limit_per_window: int | None) -> bool:
-        """Record a request and say whether it is within the limit (None or 0: unlimited)."""
+    async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
+        """Count ``cost`` units for ``key`` if they fit in the limit (None or 0: unlimited)."""
         ...
 
     async def close(self) -> None: ...
@@ -29,46 +62,96 @@ class RateLimiter(Protocol):
 class LocalRateLimiter:
     def __init__(self, *, window_s: float = WINDOW_S) -> None:
         self._window_s = window_s
-        self._hits: dict[str, deque[float]] = {}
+        self._hits: dict[str, deque[tuple[float, int]]] = {}
+        self._used: dict[str, int] = {}
 
-    def allow_at(self, tenant_id: str, limit_per_window: int | None, now: float) -> bool:
+    def check_at(self, key: str, limit_per_window: int | None, cost: int, now: float) -> RateDecision:
         if not limit_per_window:
-            return True
-        hits = self._hits.setdefault(tenant_id, deque())
-        while hits and hits[0] <= now - self._window_s:
-            hits.popleft()
-        if len(hits) >= limit_per_window:
-            return False
-        hits.append(now)
-        return True
+            return RateDecision.unlimited()
+        hits = self._hits.setdefault(key, deque())
+        used = self._used.get(key, 0)
+        while hits and hits[0][0] <= now - self._window_s:
+            used -= hits.popleft()[1]
+        reset_s = (hits[0][0] + self._window_s - now) if hits else 0.0
+        if used + cost > limit_per_window:
+            self._used[key] = used
+            # A request larger than the whole limit never fits: report a full window.
+            return RateDecision(
+                allowed=False, limit=limit_per_window, remaining=0, reset_s=reset_s or self._window_s
+            )
+        hits.append((now, cost))
+        self._used[key] = used + cost
+        return RateDecision(
+            allowed=True,
+            limit=limit_per_window,
+            remaining=limit_per_window - used - cost,
+            reset_s=reset_s or self._window_s,
+        )
 
-    async def allow(self, tenant_id: str, limit_per_window: int | None) -> bool:
-        return self.allow_at(tenant_id, limit_per_window, time.monotonic())
+    def allow_at(self, key: str, limit_per_window: int | None, now: float) -> bool:
+        return self.check_at(key, limit_per_window, 1, now).allowed
+
+    async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
+        return self.check_at(key, limit_per_window, cost, time.monotonic())
 
     async def close(self) -> None:
         return None
 
 
 class RedisRateLimiter:
-    def __init__(self, redis_url: str, *, key_prefix: str = "prefixgate:ratelimit") -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        key_prefix: str = "prefixgate:ratelimit",
+        timeout_s: float = 0.25,
+        pause_s: float = 5.0,
+    ) -> None:
         import redis.asyncio as redis
 
-        self._redis = redis.from_url(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self._redis = redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = key_prefix
         self._fallback = LocalRateLimiter()
+        self._pause_s = pause_s
+        self._paused_until = 0.0  # time.monotonic()
+        self.num_errors = 0
 
-    async def allow(self, tenant_id: str, limit_per_window: int | None) -> bool:
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
         if not limit_per_window:
-            return True
-        window = int(time.time() // WINDOW_S)
-        key = f"{self._prefix}:{tenant_id}:{window}"
+            return RateDecision.unlimited()
+        if self.paused:
+            return await self._fallback.check(key, limit_per_window, cost)
+        now = time.time()
+        window = int(now // WINDOW_S)
+        redis_key = f"{self._prefix}:{key}:{window}"
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
-                count, _ = await pipe.incr(key).expire(key, int(2 * WINDOW_S)).execute()
-        except Exception as exc:  # Redis down: keep limiting, per replica
-            log.warning("rate limiter: Redis unreachable, limiting locally: %s", exc)
-            return await self._fallback.allow(tenant_id, limit_per_window)
-        return int(count) <= limit_per_window
+                count, _ = await pipe.incrby(redis_key, cost).expire(redis_key, int(2 * WINDOW_S)).execute()
+            count = int(count)
+            if count > limit_per_window and cost > 1:
+                await self._redis.decrby(redis_key, cost)  # a refused request uses no tokens
+        except Exception as exc:  # Redis down or hung: limit locally and leave Redis alone a while
+            self.num_errors += 1
+            log.warning("rate limiter: Redis unavailable, limiting locally for %.0fs: %s", self._pause_s, exc)
+            self._paused_until = time.monotonic() + self._pause_s
+            return await self._fallback.check(key, limit_per_window, cost)
+        reset_s = (window + 1) * WINDOW_S - now
+        allowed = count <= limit_per_window
+        remaining = max(0, limit_per_window - count) if allowed else 0
+        return RateDecision(allowed=allowed, limit=limit_per_window, remaining=remaining, reset_s=reset_s)
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def format_reset(reset_s: float) -> str:
+    """OpenAI's ``x-ratelimit-reset-*`` format: ``1s``, ``6m0s``, ``20ms``."""
+    if reset_s < 1:
+        return f"{max(0, math.ceil(reset_s * 1000))}ms"
+    seconds = math.ceil(reset_s)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"

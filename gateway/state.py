@@ -6,6 +6,7 @@ import aiohttp
 from aiohttp import web
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -19,6 +20,7 @@ from tenancy.repository import TenantRepository
 from tenancy.usage import UsageWriter
 
 CONFIG = web.AppKey("config", GatewayConfig)
+ADMISSION = web.AppKey("admission", AdmissionGate)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 RATE_LIMITER = web.AppKey("rate_limiter", RateLimiter)  # type: ignore[type-abstract]
 ENGINE = web.AppKey("engine", AsyncEngine)

@@ -22,8 +22,21 @@ async def _read_json(response: aiohttp.ClientResponse) -> Any:
     return orjson.loads(await response.read())
 
 
+class WorkerNotStarted(Unavailable):
+    """The worker did not take the request (unreachable, or its queue is full): nothing ran there, so
+    the gateway may send it to another worker; with none left the tenant gets 503 and Retry-After."""
+
+
+def _retry_after_s(response: aiohttp.ClientResponse) -> int:
+    try:
+        return max(1, min(60, int(float(response.headers.get("Retry-After", "1")))))
+    except ValueError:
+        return 1
+
+
 async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
-    """Map a worker error: 4xx keeps its message and code (the worker validated our request), 5xx is 502."""
+    """Map a worker error: 4xx keeps its message and code (the worker validated our request), 503 (queue
+    full) is ``WorkerNotStarted`` with the worker's Retry-After, other 5xx are 502."""
     if response.status < 400:
         return
     try:
@@ -35,25 +48,46 @@ async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
         exc = InvalidRequest(message, code=error.get("code"), param=error.get("param"))
         exc.status = response.status
         raise exc
+    if response.status == 503:
+        raise WorkerNotStarted(
+            f"the model workers are saturated: {message}",
+            code="server_overloaded",
+            retry_after_s=_retry_after_s(response),
+        )
     raise UpstreamError(f"worker error: {message}")
+
+
+def _unreachable(exc: aiohttp.ClientError) -> Unavailable:
+    """Refused connections never reached the worker; a connection lost later may have started work."""
+    kind = WorkerNotStarted if isinstance(exc, aiohttp.ClientConnectorError) else Unavailable
+    return kind(f"worker unreachable: {exc.__class__.__name__}", code="worker_unreachable")
 
 
 class WorkerClient:
     """One worker, over a shared ``aiohttp.ClientSession``."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        *,
+        timeout_s: float = 600.0,
+        health_timeout_s: float = 5.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._short = aiohttp.ClientTimeout(total=5)
+        self._health = aiohttp.ClientTimeout(total=health_timeout_s)
 
-    async def _get(self, path: str) -> dict[str, Any]:
-        async with self._session.get(self.url + path, timeout=self._short) as response:
+    async def _get(self, path: str, timeout: aiohttp.ClientTimeout | None = None) -> dict[str, Any]:
+        async with self._session.get(self.url + path, timeout=timeout or self._short) as response:
             await _raise_for_worker_error(response)
             return await _read_json(response)
 
     async def healthz(self) -> dict[str, Any]:
-        return await self._get("/healthz")
+        """Raises when the worker is down, says it is unhealthy (503) or does not answer in time (hung)."""
+        return await self._get("/healthz", self._health)
 
     async def info(self) -> dict[str, Any]:
         return await self._get("/v1/info")
@@ -73,7 +107,9 @@ class WorkerClient:
                 await _raise_for_worker_error(response)
                 return await _read_json(response)
         except aiohttp.ClientError as exc:
-            raise Unavailable(f"worker unreachable: {exc.__class__.__name__}") from exc
+            raise _unreachable(exc) from exc
+        except TimeoutError as exc:
+            raise Unavailable("the worker did not finish in time", code="worker_timeout") from exc
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Streamed generation: the worker's NDJSON events. Closing the iterator early (client gone)
@@ -90,7 +126,9 @@ class WorkerClient:
                     if line.strip():
                         yield orjson.loads(line)
         except aiohttp.ClientError as exc:
-            raise Unavailable(f"worker unreachable: {exc.__class__.__name__}") from exc
+            raise _unreachable(exc) from exc
+        except TimeoutError as exc:
+            raise Unavailable("the worker did not finish in time", code="worker_timeout") from exc
 
     async def purge(self, namespace_id: str, *, timeout_s: float = 120.0) -> dict[str, int]:
         """Erase a namespace from every tier of this worker; blocks erased per tier. Raises on failure."""

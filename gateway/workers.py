@@ -3,22 +3,31 @@
 A background task polls every worker's ``/healthz``; a worker that answers for the first time, or with
 a new ``worker_id`` (it restarted), has its ``/v1/info`` fetched again. Workers are grouped by model;
 a worker whose fingerprint differs from the model's first worker is left out (it would hash differently).
+
+A worker that stops answering ``/healthz`` within the health timeout (hung, e.g. SIGSTOPped), refuses
+connections (dead) or says it is unhealthy is **lost**: no request is routed to it, and the requests
+in flight on it end at once with 503 (``until_lost``) instead of waiting for the request timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import aiohttp
 
+from gateway.errors import Unavailable
 from gateway.model import ModelInfo, ModelRuntime
 from gateway.routing import WorkerLoad
 from gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -29,10 +38,25 @@ class WorkerState:
     model_id: str | None = None
     in_flight: int = 0  # requests this gateway has outstanding on it
     last_error: str | None = None
+    lost: asyncio.Future[None] | None = None  # resolved when the worker is found hung or dead
 
     @property
     def url(self) -> str:
         return self.client.url
+
+    def lost_future(self) -> asyncio.Future[None]:
+        if self.lost is None or self.lost.done():
+            self.lost = asyncio.get_running_loop().create_future()
+        return self.lost
+
+    def mark_lost(self, reason: str) -> None:
+        """Stop routing here and end the requests in flight (they wait in ``until_lost``)."""
+        if self.healthy:
+            log.warning("worker %s is unhealthy: %s", self.url, reason)
+        self.healthy = False
+        self.last_error = reason
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
 
 
 @dataclass(slots=True)
@@ -48,9 +72,15 @@ class WorkerPool:
         session: aiohttp.ClientSession,
         *,
         timeout_s: float = 600.0,
+        health_timeout_s: float = 5.0,
         on_change: Callable[[], None] | None = None,
     ) -> None:
-        self.workers = {url: WorkerState(WorkerClient(url, session, timeout_s=timeout_s)) for url in urls}
+        self.workers = {
+            url: WorkerState(
+                WorkerClient(url, session, timeout_s=timeout_s, health_timeout_s=health_timeout_s)
+            )
+            for url in urls
+        }
         self._models: dict[str, ModelGroup] = {}
         self._on_change = on_change
 
@@ -93,10 +123,26 @@ class WorkerPool:
             state.healthy = state.model_id is not None
             state.last_error = None
         except Exception as exc:
-            if state.healthy:
-                log.warning("worker %s is unhealthy: %s", state.url, exc)
-            state.healthy = False
-            state.last_error = f"{exc.__class__.__name__}: {exc}"
+            state.mark_lost(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__)
+
+    async def until_lost(self, state: WorkerState, awaitable: Awaitable[T], request_id: str) -> T:
+        """Await a worker call unless the worker is lost first: then cancel it and raise 503."""
+        lost = state.lost_future()
+        task = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise Unavailable(
+                f"the worker serving request {request_id} stopped answering ({state.last_error}); retry",
+                code="worker_lost",
+            )
+        return task.result()
 
     def _attach(self, state: WorkerState, info: ModelInfo) -> None:
         group = self._models.get(info.model_id)

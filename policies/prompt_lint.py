@@ -1,10 +1,11 @@
 """Prompt lint: what in a chat request breaks prefix reuse, and what it costs in prompt tokens.
 
 Backs ``POST /v1/prompt-lint``. The caller injects the two things that know the model: ``render``
-(the chat template applied to a request, without the generation prompt) and ``count_tokens`` (the
-number of tokens the worker's tokenizer makes of a rendered text). Positions are found with one
-marked render (``policies.chat_text``), so linting a long prompt costs three renders plus one token
-count per located fragment.
+(the chat template applied to a request, without the generation prompt) and ``token_starts`` (the
+character offset where each token the worker's tokenizer makes of a rendered text starts). Positions
+are found with one marked render (``policies.chat_text``) and turned into token counts by bisection
+over one tokenization, so linting costs three renders and two tokenizations whatever the number of
+fragments: linear in the input (tokenizing once per fragment made 400 KB take 30 s).
 
 "Reuse it costs": prefix caching reuses a prompt up to its first difference from a cached one. A
 dynamic fragment differs on every request, so every cacheable token after the first one is
@@ -14,7 +15,8 @@ cacheable part ends where the last user message's text starts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +30,7 @@ from policies.canonicalize import (
 from policies.chat_text import TextPosition, cacheable_end, insert_markers, iter_texts, locate_markers
 
 Renderer = Callable[[Mapping[str, Any]], str]  # chat request → prompt text, no generation prompt
-TokenCounter = Callable[[str], int]  # rendered text → number of tokens, as the worker tokenizes it
+TokenStarts = Callable[[str], Sequence[int]]  # rendered text → sorted character start of each token
 MAX_LOCATED_FRAGMENTS = 64  # fragments given a token offset; later ones are still listed
 
 
@@ -90,7 +92,7 @@ def lint_prompt(
     *,
     policy: CanonicalizationPolicy,
     render: Renderer,
-    count_tokens: TokenCounter,
+    token_starts: TokenStarts,
 ) -> LintReport:
     """Lint one chat request with the tenant's rules (as if its mode were ``on``).
 
@@ -100,7 +102,8 @@ def lint_prompt(
     fragments = canonical.report.fragments
     messages = list(request.get("messages") or [])
     plain_text = render(request)
-    prompt_tokens = count_tokens(plain_text)
+    starts = token_starts(plain_text)
+    prompt_tokens = len(starts)
     positions = [
         TextPosition(message_index=f.message_index, part_index=f.part_index, offset=f.start)
         for f in fragments[:MAX_LOCATED_FRAGMENTS]
@@ -113,11 +116,11 @@ def lint_prompt(
         cacheable_tokens = prompt_tokens
     else:
         end_char = located.pop()
-        cacheable_tokens = prompt_tokens if end_char is None else count_tokens(plain_text[:end_char])
+        cacheable_tokens = prompt_tokens if end_char is None else bisect_left(starts, end_char)
     findings = []
     for index, fragment in enumerate(fragments):
         char = located[index] if index < len(located) else None
-        offset = None if char is None else count_tokens(plain_text[:char])
+        offset = None if char is None else bisect_left(starts, char)
         cost = None if offset is None else max(0, cacheable_tokens - offset)
         findings.append(LintFinding(fragment=fragment, token_offset=offset, reuse_cost_tokens=cost))
     first = findings[0] if findings else None  # fragments come in prompt order
@@ -134,7 +137,7 @@ def lint_prompt(
         cacheable_tokens=cacheable_tokens,
         reusable_tokens=reusable,
         reuse_cost_tokens=None if reusable is None else cacheable_tokens - reusable,
-        canonical_cacheable_tokens=_canonical_cacheable_tokens(canonical.request, render, count_tokens),
+        canonical_cacheable_tokens=_canonical_cacheable_tokens(canonical.request, render, token_starts),
         num_movable=canonical.report.num_moved,
         whitespace=canonical.report.whitespace,
         tools_changed=canonical.report.tools_changed,
@@ -168,14 +171,14 @@ def _locate(
 
 
 def _canonical_cacheable_tokens(
-    request: Mapping[str, Any], render: Renderer, count_tokens: TokenCounter
+    request: Mapping[str, Any], render: Renderer, token_starts: TokenStarts
 ) -> int | None:
     body, _ = split_note(list(request.get("messages") or []))  # the note comes after the user turn
     plain_text = render(request)
     position = _cacheable_end_position(body)
     if position is None:
-        return count_tokens(plain_text)
+        return len(token_starts(plain_text))
     located = _locate(request, plain_text, [position], render)
     if not located or located[0] is None:
         return None
-    return count_tokens(plain_text[: located[0]])
+    return bisect_left(token_starts(plain_text[: located[0]]), located[0])

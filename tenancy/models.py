@@ -55,6 +55,8 @@ class Tenant(Base):
     price_output_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)
     max_tokens_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)  # cap on max_tokens
     rate_limit_rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # per gateway replica
+    rate_limit_tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # prompt + max_tokens
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, nullable=True)  # per replica
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

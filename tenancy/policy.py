@@ -33,6 +33,8 @@ class TenantPolicy:
     price_output_per_mtok: float | None = None
     max_tokens_limit: int | None = None
     rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None  # prompt tokens + max_tokens per minute
+    max_concurrent_requests: int | None = None  # in flight at once, per gateway replica
 
     @classmethod
     def from_row(cls, tenant: Tenant) -> TenantPolicy:
@@ -52,6 +54,8 @@ class TenantPolicy:
             price_output_per_mtok=tenant.price_output_per_mtok,
             max_tokens_limit=tenant.max_tokens_limit,
             rate_limit_rpm=tenant.rate_limit_rpm,
+            rate_limit_tpm=tenant.rate_limit_tpm,
+            max_concurrent_requests=tenant.max_concurrent_requests,
         )
 
 
@@ -63,6 +67,8 @@ _NULLABLE = {
     "price_output_per_mtok",
     "max_tokens_limit",
     "rate_limit_rpm",
+    "rate_limit_tpm",
+    "max_concurrent_requests",
 }
 
 
@@ -101,7 +107,7 @@ def _check(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise PolicyError(f"'{name}' must be a non-negative number", name)
         return float(value)
-    # reserved_blocks, max_tokens_limit, rate_limit_rpm
+    # reserved_blocks, max_tokens_limit, rate_limit_rpm, rate_limit_tpm, max_concurrent_requests
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise PolicyError(f"'{name}' must be a non-negative integer", name)
     return value

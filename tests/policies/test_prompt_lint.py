@@ -28,8 +28,12 @@ def count_tokens(text: str) -> int:
 SYSTEM = "You are Ada, a support agent.\nNow: 2026-11-29T14:03:22Z\n" + "Policy text. " * 39 + "The end."
 
 
+def token_starts(text: str) -> list[int]:
+    return [start for start, _ in TOKENIZER.tokenizer.encode(text, add_special_tokens=False).offsets]
+
+
 def lint(request, policy=POLICY, renderer=render):
-    return lint_prompt(request, policy=policy, render=renderer, count_tokens=count_tokens)
+    return lint_prompt(request, policy=policy, render=renderer, token_starts=token_starts)
 
 
 def test_lint_locates_the_first_breaking_fragment_and_its_cost():
