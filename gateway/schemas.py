@@ -14,6 +14,7 @@ import orjson
 
 from gateway.errors import InvalidRequest
 
+MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -119,9 +120,13 @@ def _common(body: Mapping[str, Any], max_token_names: tuple[str, ...]) -> dict[s
     options = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = _opt(options, "include_usage", bool, "a boolean")
     top_k = _opt(body, "top_k", int, "an integer") or 0
-    if top_k < 0:
-        raise InvalidRequest("'top_k' must be >= 0", param="top_k", code="invalid_value")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidRequest(
+            f"'top_k' must be between 0 and {MAX_TOP_K}", param="top_k", code="invalid_value"
+        )
     seed = _opt(body, "seed", int, "an integer")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise InvalidRequest("'seed' must fit in 64 bits", param="seed", code="invalid_value")
     sampling = SamplingParams(
         max_tokens=_max_tokens(body, max_token_names),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),

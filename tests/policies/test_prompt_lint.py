@@ -128,3 +128,23 @@ def test_render_errors_propagate():
 
     with pytest.raises(jinja2.TemplateError):
         lint({"messages": [{"role": "user", "content": "x"}]}, renderer=broken)
+
+
+def test_lint_tokenizes_a_bounded_multiple_of_the_input():
+    """Cost linear in the input: the characters tokenized stay a small multiple of the prompt's, however
+    many fragments there are (tokenizing one prefix per fragment made 400 KB take 30 s)."""
+    document = "".join(
+        f"Entry {i} at 2026-11-29T14:{i % 60:02d}:22Z. " + "lorem ipsum " * 16 for i in range(300)
+    )
+    request = {"messages": [{"role": "system", "content": document}, {"role": "user", "content": "QUESTION"}]}
+    tokenized = []
+
+    def counting_starts(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return token_starts(text)
+
+    report = lint_prompt(request, policy=POLICY, render=render, token_starts=counting_starts)
+    plain = render(request)
+    assert len(report.findings) == 300 and report.findings[63].token_offset is not None
+    assert report.findings[1].token_offset == len(token_starts(plain[: plain.index("2026-11-29T14:01")]))
+    assert sum(tokenized) <= 3 * len(plain)
