@@ -1,9 +1,9 @@
-"""Running the gateway: ``prefixgate gateway`` and the embedded default ``prefixgate up``."""
+"""Running the gateway: ``prefixgate gateway`` and the embedded default ``prefixgate up`` (its worker
+process is supervised by ``gateway.supervisor``)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -16,6 +16,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.config import GatewayConfig, prepare_data_dir
 from gateway.state import POLICY_CACHE, REPOSITORY, WORKER_POOL
+from gateway.supervisor import DataDirInUse, DataDirLock, WorkerSupervisor
 
 log = logging.getLogger("prefixgate")
 
@@ -97,93 +98,90 @@ def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_tok
     return "\n".join(lines)
 
 
-async def _stop_worker(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), 15)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        await process.wait()
-
-
-async def _wait_ready(
-    app: web.Application, process: asyncio.subprocess.Process, stop: asyncio.Event
-) -> str | None:
+async def _wait_ready(app: web.Application, worker: WorkerSupervisor, stop: asyncio.Event) -> str | None:
     """The served model id once the worker is healthy; None if the worker died or we were stopped."""
     pool = app[WORKER_POOL]
-    while not stop.is_set() and process.returncode is None:
+    while not stop.is_set() and worker.process is not None and worker.process.returncode is None:
         if pool.models:
             return next(iter(pool.models))
         await asyncio.sleep(0.2)
     return None
 
 
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | None = None) -> int:
-    """Embedded default: SQLite in the data dir, one bundled worker process, the gateway, a demo tenant."""
+    """Embedded default: SQLite in the data dir, one supervised worker process, the gateway, a demo tenant.
+
+    One ``up`` per data dir (a second one refuses); the worker is restarted with backoff when it dies
+    and dies with this process."""
     from migrations import upgrade_database
 
     _setup_logging(config.log_level)
     admin_token_from_env = bool(config.admin_token)
     config = prepare_data_dir(config)
-    upgrade_database(config.resolved_database_url)
-    worker_port = worker_port or free_port()
-    config = dataclasses.replace(config, worker_urls=(f"http://127.0.0.1:{worker_port}",))
+    lock = DataDirLock(config.data_dir)
+    try:
+        lock.acquire()
+    except DataDirInUse as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        if worker_port is not None and _port_in_use("127.0.0.1", worker_port):
+            log.error("worker port %d is in use (an orphaned worker?); stop it or pick another", worker_port)
+            return 2
+        upgrade_database(config.resolved_database_url)
+        worker_port = worker_port or free_port()
+        config = dataclasses.replace(config, worker_urls=(f"http://127.0.0.1:{worker_port}",))
+        return asyncio.run(_up(config, model, worker_port, admin_token_from_env))
+    finally:
+        lock.release()
 
-    async def main() -> int:
-        stop = _stop_event()
-        worker = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "worker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(worker_port),
-            "--model",
-            model,
-            "--data-dir",
-            str(config.data_dir / "worker"),
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        app = create_app(config)
+
+async def _up(config: GatewayConfig, model: str, worker_port: int, admin_token_from_env: bool) -> int:
+    stop = _stop_event()
+    app = create_app(config)
+    try:
         runner = await _serve(app, config)
-        try:
-            log.info(
-                "gateway on http://%s:%d; waiting for the worker (pid %d) to load its model",
-                config.host,
-                config.port,
-                worker.pid,
-            )
-            model_id = await _wait_ready(app, worker, stop)
-            if model_id is None:
-                if worker.returncode is not None:
-                    log.error("the worker exited with status %s", worker.returncode)
-                    return 1
-                return 0
-            repo = app[REPOSITORY]
-            api_key = None
-            if await repo.find_by_name("demo") is None:
-                # The demo shows canonicalization at work: timestamps and ids leave the prefix.
-                _, new_key = await repo.create_tenant({"name": "demo", "canonicalization": "on"})
-                api_key = new_key.api_key
-                await app[POLICY_CACHE].reload()
-            print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
-            waiter = asyncio.create_task(worker.wait())
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (waiter, stopper):
-                task.cancel()
-            if worker.returncode is not None and not stop.is_set():
-                log.error("the worker exited with status %s; stopping", worker.returncode)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc.strerror or exc)
+        return 2
+    argv = [sys.executable, "-m", "worker", "--host", "127.0.0.1", "--port", str(worker_port)]
+    argv += ["--model", model, "--data-dir", str(config.data_dir / "worker")]
+    worker = WorkerSupervisor(argv=argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        process = await worker.start()
+        log.info(
+            "gateway on http://%s:%d; waiting for the worker (pid %d) to load its model",
+            config.host,
+            config.port,
+            process.pid,
+        )
+        model_id = await _wait_ready(app, worker, stop)
+        if model_id is None:
+            if process.returncode is not None:
+                log.error("the worker exited with status %s before it was ready", process.returncode)
                 return 1
             return 0
-        finally:
-            log.info("stopping")
-            await runner.cleanup()
-            await _stop_worker(worker)
-
-    return asyncio.run(main())
+        repo = app[REPOSITORY]
+        api_key = None
+        if await repo.find_by_name("demo") is None:
+            # The demo shows canonicalization at work: timestamps and ids leave the prefix.
+            _, new_key = await repo.create_tenant({"name": "demo", "canonicalization": "on"})
+            api_key = new_key.api_key
+            await app[POLICY_CACHE].reload()
+        print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
+        await worker.supervise(stop)  # until SIGINT/SIGTERM, restarting the worker when it dies
+        return 0
+    finally:
+        log.info("stopping")
+        await runner.cleanup()
+        await worker.stop()
