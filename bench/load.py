@@ -193,11 +193,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the worker's --max-num-seqs (1x clients)")
     parser.add_argument("--levels", default="1,4", help="load levels, in multiples of --batch")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="client timeout per request")
+    parser.add_argument("--plot", type=Path, default=None, help="write a TTFT CDF per run (PNG)")
     args = parser.parse_args()
     duration_s = 10.0 if args.quick else 30.0
     levels = [int(level) for level in args.levels.split(",")]
     started = time.monotonic()
     results: dict[str, dict] = {}
+    ttfts: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="pg-load-") as tmp:
         worker_port = free_port()
         worker_url = f"http://127.0.0.1:{worker_port}"
@@ -232,6 +234,7 @@ def main() -> None:
                         )
                     )
                     rss_after = rss_bytes(pids[mode]), rss_bytes(worker.pid)
+                    ttfts[label] = stats.ttft_s
                     results[label] = {
                         "clients": level * args.batch,
                         **stats.summary(),
@@ -272,7 +275,31 @@ def main() -> None:
     print(
         f"(model {MODEL}, batch {args.batch}, {duration_s:.0f} s per run, {time.monotonic() - started:.0f} s)"
     )
+    if args.plot:
+        plot_ttft(ttfts, args.plot, args.timeout_s)
     print(json.dumps({"runs": results, **ratio}))
+
+
+def plot_ttft(ttfts: dict[str, list[float]], path: Path, timeout_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for label, values in ttfts.items():
+        if values:
+            ordered = sorted(values)
+            axes.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+    axes.axvline(timeout_s, color="grey", linestyle=":", label="client timeout")
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token of served requests (s)")
+    axes.set_ylabel("fraction of served requests")
+    axes.set_title("bench.load: TTFT, bounded (429/503) vs unbounded gateway")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
