@@ -35,8 +35,9 @@ def _retry_after_s(response: aiohttp.ClientResponse) -> int:
 
 
 async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
-    """Map a worker error: 4xx keeps its message and code (the worker validated our request), 503 (queue
-    full) is ``WorkerNotStarted`` with the worker's Retry-After, other 5xx are 502."""
+    """Map a worker error: 4xx keeps its message and code (the worker validated our request), 503 with
+    Retry-After (its queue is full, the request never started) is ``WorkerNotStarted``, other 5xx
+    (an engine error in the request, a partial purge) are 502."""
     if response.status < 400:
         return
     try:
@@ -48,7 +49,7 @@ async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
         exc = InvalidRequest(message, code=error.get("code"), param=error.get("param"))
         exc.status = response.status
         raise exc
-    if response.status == 503:
+    if response.status == 503 and "Retry-After" in response.headers:  # queue full: not started there
         raise WorkerNotStarted(
             f"the model workers are saturated: {message}",
             code="server_overloaded",

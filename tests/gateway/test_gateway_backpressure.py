@@ -222,3 +222,37 @@ async def test_prompt_lint_cost_is_linear_in_the_input(gateway):
     assert len(lint["fragments"]) >= 800 and lint["fragments"][0]["token_offset"] is not None
     assert lint["reuse_cost_tokens"] > 0
     assert elapsed_s < 10, elapsed_s
+
+
+def test_backpressure_settings_come_from_the_environment():
+    from gateway.config import load_config
+
+    env = {
+        "PREFIXGATE_MAX_IN_FLIGHT": "0",
+        "PREFIXGATE_MAX_PROMPT_CHARS": "5000",
+        "PREFIXGATE_CPU_THREADS": "2",
+        "PREFIXGATE_WORKER_HEALTH_TIMEOUT_S": "0.5",
+        "PREFIXGATE_RATELIMIT_PAUSE_S": "1",
+    }
+    config = load_config(env=env)
+    assert (config.max_in_flight, config.max_prompt_chars, config.cpu_threads) == (0, 5000, 2)
+    assert (config.worker_health_timeout_s, config.ratelimit_pause_s) == (0.5, 1.0)
+
+
+async def test_tenant_limits_are_policy_fields(client):
+    created = await (
+        await client.post(
+            "/admin/v1/tenants",
+            json={"name": "lim", "max_concurrent_requests": 3, "rate_limit_tpm": 1000},
+            headers=ADMIN,
+        )
+    ).json()
+    tenant_id = created["id"]
+    response = await client.patch(
+        f"/admin/v1/tenants/{tenant_id}", json={"max_concurrent_requests": None}, headers=ADMIN
+    )
+    assert response.status == 200, await response.text()
+    tenant = await (await client.get(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)).json()
+    assert tenant["max_concurrent_requests"] is None and tenant["rate_limit_tpm"] == 1000
+    bad = await client.patch(f"/admin/v1/tenants/{tenant_id}", json={"rate_limit_tpm": -1}, headers=ADMIN)
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "rate_limit_tpm"
