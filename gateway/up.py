@@ -35,7 +35,11 @@ def free_port() -> int:
 async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError:
+        await runner.cleanup()  # the port is taken: close the database and background tasks again
+        raise
     return runner
 
 

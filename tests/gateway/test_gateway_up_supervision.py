@@ -82,3 +82,28 @@ def test_worker_dies_with_a_killed_up(tmp_path, processes):  # noqa: F811
     processes.append(again)
     read_banner(again)
     assert stop(again) == 0
+
+
+def test_up_refuses_busy_ports_instead_of_using_what_listens_there(tmp_path, processes):  # noqa: F811
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        gateway_busy = start_up(tmp_path / "a", port)
+        processes.append(gateway_busy)
+        output, _ = gateway_busy.communicate(timeout=60)
+        assert gateway_busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in output
+        worker_busy = subprocess.run(
+            [
+                *(sys.executable, "-m", "gateway", "up", "--model", "random-tiny"),
+                *("--port", str(free_port()), "--worker-port", str(port), "--data-dir", str(tmp_path / "b")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert worker_busy.returncode == 2 and f"worker port {port} is in use" in worker_busy.stderr
