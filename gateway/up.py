@@ -32,7 +32,11 @@ def free_port() -> int:
 
 
 async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: aiohttp waits this long for requests in flight, then cancels them (and waits as
+    # long again for them to end: they end at once). Default 60 s, longer than a container allows.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     return runner
@@ -183,7 +187,9 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
             return 0
         finally:
             log.info("stopping")
-            await runner.cleanup()
-            await _stop_worker(worker)
+            try:
+                await runner.cleanup()
+            finally:  # never orphan the worker, whatever the cleanup raised
+                await _stop_worker(worker)
 
     return asyncio.run(main())
