@@ -57,18 +57,34 @@ class _InBackoff(Exception):
     """The database failed a moment ago: spool without calling it."""
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception, the driver's original, and what those were raised from."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo and len(seen) < 8:
+        item = todo.pop(0)
+        if item is None or any(item is s for s in seen):
+            continue
+        seen.append(item)
+        todo += [getattr(item, "orig", None), item.__cause__, item.__context__]
+    return seen
+
+
 def is_content_error(exc: BaseException) -> bool:
     """Whether the database refused a record for its content (it would refuse it again), as opposed to
-    being unreachable, slow or restarting (worth retrying)."""
+    being unreachable, slow, starting or restarting (worth retrying: the record goes to the spool)."""
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return False
     if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError):
         return True
-    # asyncpg refuses some values before sending them (e.g. out of int4 range): a StatementError whose
-    # cause is not a connection problem.
-    return isinstance(exc, sa_exc.StatementError) and not isinstance(
-        exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.InternalError
-    )
+    for cause in _causes(exc):
+        sqlstate = getattr(cause, "sqlstate", None)
+        if isinstance(sqlstate, str) and sqlstate:
+            return sqlstate[:2] in ("22", "23")  # data exception, integrity constraint violation
+        if type(cause).__name__ == "DataError":  # asyncpg refusing an argument before sending it
+            return True
+    # A record our own code cannot turn into a row (before any I/O).
+    return isinstance(exc, TypeError | ValueError) and not isinstance(exc, sa_exc.SQLAlchemyError)
 
 
 class UsageWriter:
@@ -221,22 +237,19 @@ class UsageWriter:
 
     async def _replay_spool(self) -> None:
         """Store a bounded slice of the spool (``replay_batches_per_flush`` batches)."""
-        if not await asyncio.to_thread(self.spool.start_replay):
-            return
-        batches = await asyncio.to_thread(
-            lambda: list(
-                _take(
-                    self.spool.replay_batches(self._replay_offset, self._replay_batch),
-                    self._replay_batches_per_flush,
-                )
+        budget = self._replay_batches_per_flush
+        while budget > 0 and await asyncio.to_thread(self.spool.start_replay):
+            batches = await asyncio.to_thread(
+                lambda n=budget: _take(self.spool.replay_batches(self._replay_offset, self._replay_batch), n)
             )
-        )
-        for batch in batches:
-            await self._set_aside(await self._insert(batch.events))
-            self._replay_offset = batch.end_offset
-            self.spool.consumed(batch.num_lines)
-            self.num_written += len(batch.events)
-        if len(batches) < self._replay_batches_per_flush:
+            for batch in batches:
+                await self._set_aside(await self._insert(batch.events))
+                self._replay_offset = batch.end_offset
+                self.spool.consumed(batch.num_lines)
+                self.num_written += len(batch.events)
+            budget -= len(batches)
+            if budget <= 0:
+                return  # more next time (or the file ends exactly here: found empty next time)
             await asyncio.to_thread(self.spool.finish_replay)
             self._replay_offset = 0
             log.info("usage spool replayed")
