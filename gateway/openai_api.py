@@ -184,6 +184,10 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.outcome = OUTCOME_SERVER_ERROR
             await response.write(writer.error(exc.to_json()))
+        except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
+            draining = request.config_dict[DRAIN].started
+            call.outcome = OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED
+            return response
         except asyncio.CancelledError:
             if not request.config_dict[DRAIN].started:
                 raise  # the client went away
