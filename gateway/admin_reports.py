@@ -3,6 +3,7 @@ refused (listed and retried)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 from datetime import UTC, date, datetime
 from typing import Any
@@ -128,7 +129,7 @@ async def rejected_list_handler(request: web.Request) -> web.Response:
     """GET /usage/rejected: usage records the database refused (kept aside, retried periodically)."""
     writer = request.config_dict[USAGE_WRITER]
     limit = _limit(request, 100, 10_000)
-    records = writer.rejected.read()
+    records = await asyncio.to_thread(writer.rejected.read)
     data: list[dict[str, Any]] = [event.to_json() for event in records[:limit]]
     return web.json_response({"object": "list", "total": len(records), "data": data})
 

@@ -75,7 +75,9 @@ async def test_stream_the_client_closes_is_billed_what_was_sent(gateway):
     assert response.status == 200
     received = b""
     while received.count(b"data: ") < 20:
-        received += await response.content.readany()
+        chunk = await asyncio.wait_for(response.content.readany(), 30)
+        assert chunk, f"the stream ended early: {received[-500:]!r}"
+        received += chunk
     response.close()  # the client hangs up part-way
     [row] = await wait_records(gateway, 1)
     text = streamed_text(parse_sse(received))
@@ -147,7 +149,9 @@ async def test_worker_crash_mid_stream_and_before_output(aiohttp_client, sqlite_
     response = await client.post("/v1/chat/completions", json=body, headers=auth(key))
     received = b""
     while received.count(b"data: ") < 20:
-        received += await response.content.readany()
+        chunk = await asyncio.wait_for(response.content.readany(), 30)
+        assert chunk, f"the stream ended early: {received[-500:]!r}"
+        received += chunk
     os.kill(worker_pid(own_worker), signal.SIGKILL)  # the worker dies mid-stream
     received += await asyncio.wait_for(response.read(), 30)
     events = parse_sse(received)
