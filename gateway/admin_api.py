@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import admin_cache
+from gateway import admin_cache, admin_reports
 from gateway.errors import (
     AuthenticationError,
     ConflictError,
@@ -19,11 +19,10 @@ from gateway.errors import (
 )
 from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
-from gateway.state import CONFIG, POLICY_CACHE, REPOSITORY, SESSIONMAKER, WORKER_POOL
+from gateway.state import CONFIG, POLICY_CACHE, REPOSITORY, WORKER_POOL
 from policies.isolation import tenant_namespace_id
 from tenancy.keys import tokens_equal
 from tenancy.policy import PolicyError, TenantPolicy
-from tenancy.reports import GRANULARITY_HOURS, Prices, report_to_csv, report_totals, usage_report
 from tenancy.repository import Conflict, KeyInfo, NewKey, NotFound
 
 
@@ -197,41 +196,6 @@ def _time_query(request: web.Request, name: str) -> datetime | None:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
-async def usage_report_handler(request: web.Request) -> web.Response:
-    granularity = request.query.get("granularity", "day")
-    if granularity not in GRANULARITY_HOURS:
-        raise InvalidRequest("'granularity' must be 'hour' or 'day'", param="granularity")
-    output = request.query.get("format", "json")
-    if output not in ("json", "csv"):
-        raise InvalidRequest("'format' must be 'json' or 'csv'", param="format")
-    config = request.config_dict[CONFIG]
-    start, end = _time_query(request, "start"), _time_query(request, "end")
-    rows = await usage_report(
-        request.config_dict[SESSIONMAKER],
-        default_prices=Prices(
-            input_per_mtok=config.price_input_per_mtok,
-            cached_input_per_mtok=config.price_cached_input_per_mtok,
-            output_per_mtok=config.price_output_per_mtok,
-        ),
-        tenant_id=request.query.get("tenant_id") or None,
-        start=start,
-        end=end,
-        granularity=granularity,
-    )
-    if output == "csv":
-        return web.Response(text=report_to_csv(rows), content_type="text/csv")
-    return web.json_response(
-        {
-            "object": "usage_report",
-            "granularity": granularity,
-            "start": _iso(start),
-            "end": _iso(end),
-            "data": [asdict(row) for row in rows],
-            "totals": report_totals(rows),
-        }
-    )
-
-
 async def workers_status(request: web.Request) -> web.Response:
     """Each worker's health as the gateway sees it, plus its live ``/v1/stats`` (null if unreachable)."""
     pool = request.config_dict[WORKER_POOL]
@@ -263,7 +227,7 @@ def create_admin_app() -> web.Application:
     r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key)
     r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key)
     r.add_get("/audit", audit_log)
-    r.add_get("/reports/usage", usage_report_handler)
     r.add_get("/workers", workers_status)
     admin_cache.add_routes(admin)
+    admin_reports.add_routes(admin)
     return admin

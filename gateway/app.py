@@ -17,6 +17,7 @@ from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.cpu import CpuPool
+from gateway.drain import Drain, on_shutdown
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
@@ -29,6 +30,7 @@ from gateway.state import (
     ADMISSION,
     CANONICALIZER,
     CONFIG,
+    DRAIN,
     ENGINE,
     HOT_PREFIXES,
     HTTP_SESSION,
@@ -91,7 +93,10 @@ async def database_ctx(app: web.Application) -> AsyncIterator[None]:
     refresher = asyncio.create_task(cache.run(), name="policy-refresh")
     yield
     await _stop(refresher)
-    await engine.dispose()
+    try:  # a hung database must not hold the shutdown
+        await asyncio.wait_for(engine.dispose(), config.usage_db_timeout_s)
+    except TimeoutError:
+        log.warning("database connections did not close within %.0f s", config.usage_db_timeout_s)
 
 
 async def usage_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -101,12 +106,14 @@ async def usage_ctx(app: web.Application) -> AsyncIterator[None]:
         UsageSpool(config.resolved_spool_path),
         flush_s=config.usage_flush_s,
         batch_max=config.usage_batch_max,
+        db_timeout_s=config.usage_db_timeout_s,
+        rejected_retry_s=config.usage_rejected_retry_s,
     )
     app[USAGE_WRITER] = writer
     task = asyncio.create_task(writer.run(), name="usage-writer")
     yield
-    await _stop(task)
-    await writer.close()
+    await _stop(task)  # a flush cancelled half-way spools its batch
+    await writer.close()  # bounded: one database try, else the spool
 
 
 async def promotion_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -170,8 +177,11 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def metrics_handler(request: web.Request) -> web.Response:
     metrics, writer = request.app[METRICS], request.app[USAGE_WRITER]
-    metrics.spool_depth.set(writer.spool.depth())
+    metrics.spool_depth.set(writer.spool_depth())
     metrics.usage_pending.set(writer.pending)
+    metrics.usage_rejected.set(writer.rejected.depth())
+    metrics.usage_write_failures.labels("database").set(writer.num_db_failures)
+    metrics.usage_write_failures.labels("spool").set(writer.num_spool_failures)
     metrics.workers_healthy.set(sum(s.healthy for s in request.app[WORKER_POOL].workers.values()))
     refreshed = request.app[POLICY_CACHE].last_refresh_monotonic
     metrics.policy_age.set(-1 if refreshed is None else time.monotonic() - refreshed)
@@ -196,6 +206,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
     app[METRICS] = GatewayMetrics()
     app[CANONICALIZER] = CanonicalizationStep()
+    app[DRAIN] = Drain(grace_s=config.shutdown_grace_s)
+    app.on_shutdown.append(on_shutdown(app[DRAIN]))
     app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)

@@ -152,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--end", default=None)
     usage.add_argument("--granularity", choices=["hour", "day"], default="day")
     usage.add_argument("--format", choices=["json", "csv"], default="json")
+    usage.add_argument("--by-end-user", action="store_true", help="one row per end user (`user` field)")
+    requests = r_sub.add_parser("requests", parents=[admin_parent], help="per-request export, one page")
+    requests.add_argument("--tenant", default=None, help="tenant id or name")
+    requests.add_argument("--start", default=None)
+    requests.add_argument("--end", default=None)
+    requests.add_argument("--cursor", default=None, help="next_cursor of the previous page")
+    requests.add_argument("--limit", type=int, default=1000)
+    requests.add_argument("--format", choices=["json", "csv"], default="json")
+    rejected = r_sub.add_parser("rejected", parents=[admin_parent], help="usage records the database refused")
+    rejected.add_argument("--retry", action="store_true", help="try them again now")
 
     sub.add_parser("workers", parents=[admin_parent], help="worker pool health")
     sub.add_parser("diagnose", parents=[admin_parent], help="check the gateway, its database and workers")
@@ -203,6 +213,23 @@ def _hot_prefix_command(client: AdminClient, args: argparse.Namespace) -> Any:
         return client.request("GET", "/hot-prefixes", query={"include_revoked": "true" if args.all else None})
     path = f"/hot-prefixes/{args.hot_prefix_id}"
     return client.request("DELETE" if args.hot_command == "revoke" else "GET", path)
+
+
+def _report_command(client: AdminClient, args: argparse.Namespace) -> Any:
+    if args.report_command == "rejected":
+        if args.retry:
+            return client.request("POST", "/usage/rejected/retry")
+        return client.request("GET", "/usage/rejected")
+    tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+    query = {"tenant_id": tenant_id, "start": args.start, "end": args.end, "format": args.format}
+    if args.report_command == "requests":
+        return client.request(
+            "GET", "/reports/requests", query={**query, "cursor": args.cursor, "limit": args.limit}
+        )
+    group_by = "end_user" if args.by_end_user else "key"
+    return client.request(
+        "GET", "/reports/usage", query={**query, "granularity": args.granularity, "group_by": group_by}
+    )
 
 
 def _lint(args: argparse.Namespace) -> Any:
@@ -286,20 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "tenant":
             _print(_tenant_command(client, args))
         elif args.command == "report":
-            tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
-            _print(
-                client.request(
-                    "GET",
-                    "/reports/usage",
-                    query={
-                        "tenant_id": tenant_id,
-                        "start": args.start,
-                        "end": args.end,
-                        "granularity": args.granularity,
-                        "format": args.format,
-                    },
-                )
-            )
+            _print(_report_command(client, args))
         elif args.command == "workers":
             _print(client.request("GET", "/workers"))
         elif args.command == "diagnose":

@@ -37,6 +37,11 @@ class GatewayConfig:
     usage_flush_s: float = 0.5
     usage_batch_max: int = 512
     usage_spool_path: Path | None = None  # None: usage-spool.jsonl in the data dir
+    usage_db_timeout_s: float = 5.0  # each usage write; a slower (hung) database means: spool it
+    usage_rejected_retry_s: float = 300.0  # how often records the database refused are tried again
+    # SIGTERM: requests in flight get this long, then are cut (recorded as "shutdown"); keep it under
+    # the container's stop grace period minus usage_db_timeout_s (docker/compose.yaml: 20 s of 30 s).
+    shutdown_grace_s: float = 20.0
     redis_url: str | None = None  # rate-limit and hot-prefix counters shared by replicas (None: per replica)
     router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing

@@ -65,6 +65,17 @@ class GatewayMetrics:
         self.usage_pending = Gauge(
             "prefixgate_usage_pending", "Usage records waiting for the next batch write", registry=r
         )
+        self.usage_rejected = Gauge(
+            "prefixgate_usage_rejected",
+            "Usage records the database refused, kept aside and retried (GET /admin/v1/usage/rejected)",
+            registry=r,
+        )
+        self.usage_write_failures = Gauge(
+            "prefixgate_usage_write_failures",
+            "Failed usage writes since start, by target (database: spooled; spool: kept in memory)",
+            ["target"],
+            registry=r,
+        )
         self.workers_healthy = Gauge("prefixgate_workers_healthy", "Healthy workers", registry=r)
         self.canonicalization_fragments = Counter(
             "prefixgate_canonicalization_fragments",

@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from gateway import openai_format
+from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import PreparedRequest, new_request_id
@@ -19,6 +19,8 @@ from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_co
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
+    CONFIG,
+    DRAIN,
     METRICS,
     PIPELINE,
     POLICY_CACHE,
@@ -27,9 +29,14 @@ from gateway.state import (
     WORKER_POOL,
 )
 from tenancy.policy import TenantPolicy
-from tenancy.usage_types import UsageEvent
+from tenancy.usage_types import (
+    OUTCOME_CLIENT_CANCELLED,
+    OUTCOME_CLIENT_ERROR,
+    OUTCOME_SERVER_ERROR,
+    OUTCOME_SHUTDOWN,
+)
 
-STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+__all__ = ["STATUS_CLIENT_CLOSED", "TenantCall", "add_routes"]
 CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved out of the prefix
 
 
@@ -54,28 +61,16 @@ def authenticate(request: web.Request) -> TenantPolicy:
     return tenant
 
 
-@dataclass(slots=True)
-class TenantCall:
-    """What one tenant request did, for its usage record and metrics."""
-
-    tenant: TenantPolicy
-    endpoint: str
-    request_id: str
-    model: str = ""
-    status: int = 200
-    num_prompt_tokens: int = 0  # known before the worker answers
-    usage: dict[str, Any] | None = None  # the worker's usage, when it answered
-    prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
-    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
-    started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
-
-
 @contextlib.asynccontextmanager
 async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[TenantCall]:
     tenant = authenticate(request)
     started = time.perf_counter()
     call = TenantCall(
-        tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint), started_s=started
+        tenant=tenant,
+        endpoint=endpoint,
+        request_id=new_request_id(endpoint),
+        key_id=request.config_dict[POLICY_CACHE].key_id(bearer_token(request) or ""),
+        started_s=started,
     )
     gate = request.config_dict[ADMISSION]
     entered = False
@@ -86,12 +81,18 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         yield call
     except APIError as exc:
         call.status = exc.status
+        call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        call.status = STATUS_CLIENT_CLOSED
+        if not call.headers_sent:
+            call.status = STATUS_CLIENT_CLOSED
+        draining = request.config_dict[DRAIN].started
+        call.outcome = call.outcome or (OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED)
         raise
     except Exception:
-        call.status = 500
+        if not call.headers_sent:
+            call.status = 500
+        call.outcome = call.outcome or OUTCOME_SERVER_ERROR
         raise
     finally:
         if entered:
@@ -142,22 +143,9 @@ def _record_prompt_work(
 
 
 def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
-    usage = call.usage or {}
-    by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
-    event = UsageEvent(
-        request_id=call.request_id,
-        tenant_id=call.tenant.tenant_id,
-        model=call.model,
-        endpoint=call.endpoint,
-        status=call.status,
-        prompt_tokens=int(usage.get("prompt_tokens", call.num_prompt_tokens)),
-        cached_tokens=int(usage.get("cached_tokens", 0)),
-        cached_tokens_by_tier=by_tier,
-        completion_tokens=int(usage.get("completion_tokens", 0)),
-        prefill_ms=float(usage.get("prefill_ms", 0.0)),
-        saved_prefill_ms=float(usage.get("estimated_saved_prefill_ms", 0.0)),
-    )
+    event = usage_event(call, tenant_prices(call.tenant, request.config_dict[CONFIG]))
     request.config_dict[USAGE_WRITER].submit(event)
+    by_tier = event.cached_tokens_by_tier
     metrics, tenant = request.config_dict[METRICS], call.tenant.tenant_id
     metrics.requests.labels(tenant, call.endpoint, str(call.status)).inc()
     metrics.latency.labels(call.endpoint).observe(elapsed_s)
@@ -177,7 +165,7 @@ async def _serve(
     request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
-    call.model = parsed.model
+    call.model, call.end_user = parsed.model, parsed.user
     started = time.perf_counter()
     prepared = await pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
     metrics = request.config_dict[METRICS]
@@ -200,6 +188,8 @@ def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
 
 
 async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
+    """Relay the worker's events; counts the completion tokens whose text reached the client (what a
+    cut stream is billed) and says who ended a stream that did not complete."""
     writer = openai_format.ChunkWriter(prepared)
     async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
         event = await anext(events, None)  # errors before the first token are plain HTTP errors
@@ -212,23 +202,55 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
             }
         )
         await response.prepare(request)
+        call.headers_sent = True
         first = writer.first()
         if first is not None:
             await response.write(first)
+        held_tokens = 0  # generated, their text not sent yet (held back or an incomplete character)
         try:
             while event is not None:
+                if event.get("type") != "final" and event.get("usage"):
+                    call.prompt_usage = event["usage"]
+                held_tokens += len(event.get("token_ids") or ())
                 if event.get("text"):  # the final event may carry the last token's text too
                     await response.write(writer.delta(event["text"]))
+                    call.delivered_tokens, held_tokens = call.delivered_tokens + held_tokens, 0
                 if event.get("type") == "final":
-                    call.usage = event.get("usage") or {}
-                    await response.write(writer.final(event.get("finish_reason", "stop"), call.usage))
+                    usage = event.get("usage") or {}
+                    await response.write(writer.final(event.get("finish_reason", "stop"), usage))
+                    call.delivered_tokens, held_tokens = call.delivered_tokens + held_tokens, 0
+                    call.usage = usage
                 event = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
-            call.status = exc.status
+            call.outcome = OUTCOME_SERVER_ERROR
             await response.write(writer.error(exc.to_json()))
+        except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
+            draining = request.config_dict[DRAIN].started
+            call.outcome = OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED
+            return response
+        except asyncio.CancelledError:
+            if not request.config_dict[DRAIN].started:
+                raise  # the client went away
+            await _end_for_shutdown(call, response, writer)
+            return response
         await response.write(writer.done())
         await response.write_eof()
     return response
+
+
+async def _end_for_shutdown(
+    call: TenantCall, response: web.StreamResponse, writer: openai_format.ChunkWriter
+) -> None:
+    """The gateway is stopping and its grace ran out: end the stream with an error event (best effort:
+    the connection may be closing) so the client knows it was cut, not finished."""
+    call.outcome = OUTCOME_SHUTDOWN
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    error = Unavailable("the gateway is shutting down; the answer was cut short").to_json()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(response.write(writer.error(error) + writer.done()), 1.0)
+        await asyncio.wait_for(response.write_eof(), 1.0)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

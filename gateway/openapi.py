@@ -244,10 +244,33 @@ def openapi_spec() -> dict[str, Any]:
                     _query("start", {"type": "string", "format": "date-time"}),
                     _query("end", {"type": "string", "format": "date-time"}),
                     _query("granularity", {"type": "string", "enum": ["hour", "day"]}),
+                    _query("group_by", {"type": "string", "enum": ["key", "end_user"]}),
                     _query("format", {"type": "string", "enum": ["json", "csv"]}),
                 ],
             )
         },
+        "/admin/v1/reports/requests": {
+            "get": _op(
+                "Per-request usage export, paged with a cursor",
+                security=admin,
+                params=[
+                    _query("tenant_id", {"type": "string"}),
+                    _query("start", {"type": "string", "format": "date-time"}),
+                    _query("end", {"type": "string", "format": "date-time"}),
+                    _query("cursor", {"type": "string"}),
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
+                    _query("format", {"type": "string", "enum": ["json", "csv"]}),
+                ],
+            )
+        },
+        "/admin/v1/usage/rejected": {
+            "get": _op(
+                "Usage records the database refused",
+                security=admin,
+                params=[_query("limit", {"type": "integer"})],
+            )
+        },
+        "/admin/v1/usage/rejected/retry": {"post": _op("Retry the rejected usage records", security=admin)},
         "/admin/v1/workers": {"get": _op("Worker pool health", security=admin)},
     }
     return {

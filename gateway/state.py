@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
+from gateway.drain import Drain
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
@@ -34,3 +35,4 @@ PIPELINE = web.AppKey("pipeline", RequestPipeline)
 CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
+DRAIN = web.AppKey("drain", Drain)

@@ -33,7 +33,11 @@ def free_port() -> int:
 
 
 async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # shutdown_timeout: aiohttp waits this long for requests in flight, then cancels them (and waits as
+    # long again for them to end: they end at once). Default 60 s, longer than a container allows.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()
@@ -187,5 +191,7 @@ async def _up(config: GatewayConfig, model: str, worker_port: int, admin_token_f
         return 0
     finally:
         log.info("stopping")
-        await runner.cleanup()
-        await worker.stop()
+        try:
+            await runner.cleanup()
+        finally:  # never orphan the worker, whatever the cleanup raised
+            await worker.stop()

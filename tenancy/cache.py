@@ -40,6 +40,11 @@ class PolicyCache:
         tenant_id = snapshot.key_hash_to_tenant_id.get(hash_api_key(api_key))
         return None if tenant_id is None else snapshot.tenants.get(tenant_id)
 
+    def key_id(self, api_key: str) -> str | None:
+        """The id of this live key (recorded on usage records), or None."""
+        snapshot = self._snapshot
+        return None if snapshot is None else snapshot.key_hash_to_key_id.get(hash_api_key(api_key))
+
     def get(self, tenant_id: str) -> TenantPolicy | None:
         snapshot = self._snapshot
         return None if snapshot is None else snapshot.tenants.get(tenant_id)

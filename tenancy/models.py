@@ -132,6 +132,7 @@ class UsageRecord(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_hour", "tenant_id", "created_hour"),
         Index("ix_usage_records_hour", "created_hour"),
+        Index("ix_usage_records_tenant_id_id", "tenant_id", "id"),  # per-request export cursor
     )
 
     id: Mapped[int] = mapped_column(
@@ -139,9 +140,14 @@ class UsageRecord(Base):
     )
     request_id: Mapped[str] = mapped_column(String(80), unique=True)  # idempotent replay key
     tenant_id: Mapped[str] = mapped_column(String(40))
+    tenant_name: Mapped[str | None] = mapped_column(String(200), nullable=True)  # when it ran
+    key_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    end_user: Mapped[str | None] = mapped_column(String(200), nullable=True)  # the `user` field
     model: Mapped[str] = mapped_column(String(200))
     endpoint: Mapped[str] = mapped_column(String(40))
     status: Mapped[int] = mapped_column(Integer)  # HTTP status returned to the tenant
+    # Who ended it (tenancy.usage_types.OUTCOMES); NULL only on rows older than migration 0003.
+    outcome: Mapped[str | None] = mapped_column(String(20), nullable=True)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_l1_tokens: Mapped[int] = mapped_column(Integer, default=0)
@@ -151,5 +157,13 @@ class UsageRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     prefill_ms: Mapped[float] = mapped_column(Float, default=0.0)
     saved_prefill_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    # Unit prices (per million tokens) and cost frozen when the request ran: reports never re-price.
+    price_input_per_mtok: Mapped[float] = mapped_column(Float, default=0.0)
+    price_cached_input_per_mtok: Mapped[float] = mapped_column(Float, default=0.0)
+    price_output_per_mtok: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_uncached_input: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_cached_input: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_output: Mapped[float] = mapped_column(Float, default=0.0)
+    cost_total: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping

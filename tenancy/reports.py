@@ -1,4 +1,10 @@
-"""Per-tenant usage and hit-rate reports, aggregated in SQL by hour or day, priced per tenant."""
+"""Usage reports: per tenant × model × key (and end user on request), by hour or day, plus a per-request
+export with a cursor.
+
+Every figure is a sum of what the records froze when their requests ran (delivered tokens, unit
+prices, cost, the tenant's name): changing a tenant's prices, renaming or deleting it never changes a
+report of the past.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +12,45 @@ import csv
 import io
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from tenancy.models import Tenant, UsageRecord
+from tenancy.models import UsageRecord
+from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED, Prices
+
+__all__ = ["GRANULARITY_HOURS", "Prices", "ReportRow", "export_requests", "usage_report"]
 
 GRANULARITY_HOURS = {"hour": 1, "day": 24}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Prices:
-    """Prices per million tokens."""
-
-    input_per_mtok: float
-    cached_input_per_mtok: float
-    output_per_mtok: float
+_SUMMED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "cached_l1_tokens",
+    "cached_l2_tokens",
+    "cached_l3_tokens",
+    "cached_remote_tokens",
+    "prefill_ms",
+    "saved_prefill_ms",
+    "cost_uncached_input",
+    "cost_cached_input",
+    "cost_output",
+    "cost_total",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReportRow:
     tenant_id: str
-    tenant_name: str | None  # None when the tenant was deleted since
+    tenant_name: str | None  # as recorded when the requests ran
+    model: str
+    key_id: str | None
+    end_user: str | None  # only when grouped by end user
     period_start: str  # ISO 8601, UTC
     requests: int
-    errors: int
+    errors: int  # HTTP status >= 400 (a stream cut after its headers keeps its 200)
+    cancelled: int  # ended by the client
     prompt_tokens: int
     cached_tokens: int
     uncached_prompt_tokens: int
@@ -46,7 +66,7 @@ class ReportRow:
     cost_cached_input: float
     cost_output: float
     cost_total: float
-    saved_cost: float  # what the cached tokens would have cost at the uncached input price
+    saved_cost: float  # what the cached tokens would have cost more at the uncached input price
 
 
 def _hour(moment: datetime) -> int:
@@ -57,105 +77,177 @@ def _hour(moment: datetime) -> int:
 async def usage_report(
     sessionmaker: async_sessionmaker[AsyncSession],
     *,
-    default_prices: Prices,
     tenant_id: str | None = None,
     start: datetime | None = None,
     end: datetime | None = None,
     granularity: str = "day",
+    by_end_user: bool = False,
 ) -> list[ReportRow]:
-    """Rows per (tenant, period), oldest first. ``start`` is inclusive and ``end`` exclusive, both
-    rounded down to the hour."""
+    """Rows per (tenant, model, key[, end user], period), oldest first. ``start`` is inclusive and
+    ``end`` exclusive, both rounded down to the hour."""
     step = GRANULARITY_HOURS[granularity]
-    bucket = (UsageRecord.created_hour - UsageRecord.created_hour % step).label("bucket")
+    u = UsageRecord
+    bucket = (u.created_hour - u.created_hour % step).label("bucket")
+    keys = [u.tenant_id, u.model, u.key_id, *([u.end_user] if by_end_user else []), bucket]
+    saved = u.cached_tokens * (u.price_input_per_mtok - u.price_cached_input_per_mtok) / 1e6
     columns = [
+        func.max(u.tenant_name).label("tenant_name"),
         func.count().label("requests"),
-        func.sum(case((UsageRecord.status >= 400, 1), else_=0)).label("errors"),
-        *(
-            func.coalesce(func.sum(getattr(UsageRecord, name)), 0).label(name)
-            for name in (
-                "prompt_tokens",
-                "cached_tokens",
-                "completion_tokens",
-                "cached_l1_tokens",
-                "cached_l2_tokens",
-                "cached_l3_tokens",
-                "cached_remote_tokens",
-                "prefill_ms",
-                "saved_prefill_ms",
-            )
-        ),
+        func.sum(case((u.status >= 400, 1), else_=0)).label("errors"),
+        func.sum(case((u.outcome == OUTCOME_CLIENT_CANCELLED, 1), else_=0)).label("cancelled"),
+        *(func.coalesce(func.sum(getattr(u, name)), 0).label(name) for name in _SUMMED),
+        func.coalesce(func.sum(saved), 0).label("saved_cost"),
     ]
-    query = select(UsageRecord.tenant_id, bucket, *columns).group_by(UsageRecord.tenant_id, bucket)
+    query = select(*keys, *columns).group_by(*keys)
     if tenant_id is not None:
-        query = query.where(UsageRecord.tenant_id == tenant_id)
+        query = query.where(u.tenant_id == tenant_id)
     if start is not None:
-        query = query.where(UsageRecord.created_hour >= _hour(start))
+        query = query.where(u.created_hour >= _hour(start))
     if end is not None:
-        query = query.where(UsageRecord.created_hour < _hour(end))
+        query = query.where(u.created_hour < _hour(end))
     async with sessionmaker() as session:
-        result = (await session.execute(query.order_by(bucket, UsageRecord.tenant_id))).all()
-        tenants = {row.id: row for row in await session.scalars(select(Tenant))}
-    rows = []
-    for record in result:
-        tenant = tenants.get(record.tenant_id)
-        prices = _prices_for(tenant, default_prices)
-        prompt, cached = int(record.prompt_tokens), int(record.cached_tokens)
-        uncached = max(prompt - cached, 0)
-        cost_uncached = uncached * prices.input_per_mtok / 1e6
-        cost_cached = cached * prices.cached_input_per_mtok / 1e6
-        cost_output = int(record.completion_tokens) * prices.output_per_mtok / 1e6
-        rows.append(
-            ReportRow(
-                tenant_id=record.tenant_id,
-                tenant_name=None if tenant is None else tenant.name,
-                period_start=datetime.fromtimestamp(int(record.bucket) * 3600, UTC).isoformat(),
-                requests=int(record.requests),
-                errors=int(record.errors or 0),
-                prompt_tokens=prompt,
-                cached_tokens=cached,
-                uncached_prompt_tokens=uncached,
-                completion_tokens=int(record.completion_tokens),
-                hit_rate=round(cached / prompt, 6) if prompt else 0.0,
-                cached_l1_tokens=int(record.cached_l1_tokens),
-                cached_l2_tokens=int(record.cached_l2_tokens),
-                cached_l3_tokens=int(record.cached_l3_tokens),
-                cached_remote_tokens=int(record.cached_remote_tokens),
-                prefill_s=round(float(record.prefill_ms) / 1000, 6),
-                saved_prefill_s=round(float(record.saved_prefill_ms) / 1000, 6),
-                cost_uncached_input=round(cost_uncached, 9),
-                cost_cached_input=round(cost_cached, 9),
-                cost_output=round(cost_output, 9),
-                cost_total=round(cost_uncached + cost_cached + cost_output, 9),
-                saved_cost=round(cached * (prices.input_per_mtok - prices.cached_input_per_mtok) / 1e6, 9),
-            )
-        )
-    return rows
+        result = (await session.execute(query.order_by(bucket, *keys[:-1]))).all()
+    return [_report_row(record, by_end_user) for record in result]
 
 
-def _prices_for(tenant: Tenant | None, defaults: Prices) -> Prices:
-    if tenant is None:
-        return defaults
-    return Prices(
-        input_per_mtok=_or(tenant.price_input_per_mtok, defaults.input_per_mtok),
-        cached_input_per_mtok=_or(tenant.price_cached_input_per_mtok, defaults.cached_input_per_mtok),
-        output_per_mtok=_or(tenant.price_output_per_mtok, defaults.output_per_mtok),
+def _report_row(record: Any, by_end_user: bool) -> ReportRow:
+    prompt, cached = int(record.prompt_tokens), int(record.cached_tokens)
+    return ReportRow(
+        tenant_id=record.tenant_id,
+        tenant_name=record.tenant_name,
+        model=record.model,
+        key_id=record.key_id,
+        end_user=record.end_user if by_end_user else None,
+        period_start=datetime.fromtimestamp(int(record.bucket) * 3600, UTC).isoformat(),
+        requests=int(record.requests),
+        errors=int(record.errors or 0),
+        cancelled=int(record.cancelled or 0),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        uncached_prompt_tokens=max(prompt - cached, 0),
+        completion_tokens=int(record.completion_tokens),
+        hit_rate=round(cached / prompt, 6) if prompt else 0.0,
+        cached_l1_tokens=int(record.cached_l1_tokens),
+        cached_l2_tokens=int(record.cached_l2_tokens),
+        cached_l3_tokens=int(record.cached_l3_tokens),
+        cached_remote_tokens=int(record.cached_remote_tokens),
+        prefill_s=round(float(record.prefill_ms) / 1000, 6),
+        saved_prefill_s=round(float(record.saved_prefill_ms) / 1000, 6),
+        cost_uncached_input=round(float(record.cost_uncached_input), 9),
+        cost_cached_input=round(float(record.cost_cached_input), 9),
+        cost_output=round(float(record.cost_output), 9),
+        cost_total=round(float(record.cost_total), 9),
+        saved_cost=round(float(record.saved_cost), 9),
     )
 
 
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
+# --- per-request export --------------------------------------------------------------------------
 
+EXPORT_FIELDS = (
+    "request_id",
+    "created_at",
+    "tenant_id",
+    "tenant_name",
+    "key_id",
+    "end_user",
+    "model",
+    "endpoint",
+    "status",
+    "outcome",
+    "prompt_tokens",
+    "cached_tokens",
+    "cached_l1_tokens",
+    "cached_l2_tokens",
+    "cached_l3_tokens",
+    "cached_remote_tokens",
+    "completion_tokens",
+    "price_input_per_mtok",
+    "price_cached_input_per_mtok",
+    "price_output_per_mtok",
+    "cost_uncached_input",
+    "cost_cached_input",
+    "cost_output",
+    "cost_total",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportPage:
+    data: list[dict[str, Any]]
+    next_cursor: str | None  # pass back as ``cursor`` for the next page (later records arrive after it)
+    has_more: bool  # more records are waiting right now
+
+
+async def export_requests(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    *,
+    tenant_id: str | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    cursor: str | None = None,
+    limit: int = 1000,
+) -> ExportPage:
+    """One page of records in insertion order, after ``cursor`` (the last row id of the previous page).
+    Records replayed late from a spool get new ids, so a consumer following the cursor sees them too."""
+    after_id = parse_cursor(cursor)
+    u = UsageRecord
+    query = select(u).where(u.id > after_id)
+    if tenant_id is not None:
+        query = query.where(u.tenant_id == tenant_id)
+    if start is not None:
+        query = query.where(u.created_hour >= _hour(start))
+    if end is not None:
+        query = query.where(u.created_hour < _hour(end))
+    async with sessionmaker() as session:
+        rows = list(await session.scalars(query.order_by(u.id).limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    data = [_export_row(row) for row in rows]
+    return ExportPage(data=data, next_cursor=str(rows[-1].id) if rows else cursor, has_more=more)
+
+
+def parse_cursor(cursor: str | None) -> int:
+    """The row id in a cursor; ValueError if it is not one of ours."""
+    if not cursor:
+        return 0
+    value = int(cursor)
+    if value < 0:
+        raise ValueError("negative cursor")
+    return value
+
+
+def _export_row(row: UsageRecord) -> dict[str, Any]:
+    data = {name: getattr(row, name) for name in EXPORT_FIELDS}
+    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+    data["created_at"] = created.isoformat()
+    return data
+
+
+# --- output ----------------------------------------------------------------------------------------
 
 REPORT_FIELDS = tuple(ReportRow.__dataclass_fields__)
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")
+
+
+def csv_safe(value: Any) -> Any:
+    """A cell a spreadsheet will not run as a formula: text starting with = + - @ or a control
+    character gets a leading apostrophe (OWASP's advice). Numbers are left alone."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
+def rows_to_csv(rows: list[dict[str, Any]], fields: tuple[str, ...]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({name: csv_safe(row.get(name)) for name in fields})
+    return buffer.getvalue()
 
 
 def report_to_csv(rows: list[ReportRow]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=REPORT_FIELDS, lineterminator="\n")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow(asdict(row))
-    return buffer.getvalue()
+    return rows_to_csv([asdict(row) for row in rows], REPORT_FIELDS)
 
 
 def report_totals(rows: list[ReportRow]) -> dict[str, float | int]:
@@ -163,6 +255,7 @@ def report_totals(rows: list[ReportRow]) -> dict[str, float | int]:
     keys = [
         "requests",
         "errors",
+        "cancelled",
         "prompt_tokens",
         "cached_tokens",
         "uncached_prompt_tokens",

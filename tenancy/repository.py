@@ -5,7 +5,7 @@ and bumps the single-row policy version that gateway replicas poll to reload pol
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,6 +53,7 @@ class PolicySnapshot:
     key_hash_to_tenant_id: Mapping[str, str]
     promoted_hashes: frozenset[PrefixHash] = frozenset()  # hot prefixes in force
     known_hashes: frozenset[PrefixHash] = frozenset()  # promoted or revoked: never proposed again
+    key_hash_to_key_id: Mapping[str, str] = field(default_factory=dict)  # for usage records
 
 
 def _now() -> datetime:
@@ -242,14 +243,16 @@ class TenantRepository:
             )
             tenants = {row.id: TenantPolicy.from_row(row) for row in await session.scalars(select(Tenant))}
             keys = await session.execute(
-                select(ApiKey.key_hash, ApiKey.tenant_id).where(ApiKey.revoked_at.is_(None))
+                select(ApiKey.key_hash, ApiKey.tenant_id, ApiKey.id).where(ApiKey.revoked_at.is_(None))
             )
-            key_map = {key_hash: tenant_id for key_hash, tenant_id in keys if tenant_id in tenants}
+            live = [row for row in keys if row[1] in tenants]  # (key hash, tenant id, key id)
+            key_map = {key_hash: tenant_id for key_hash, tenant_id, _ in live}
             hot = (await session.execute(select(HotPrefix.prefix_hash, HotPrefix.revoked_at))).all()
         return PolicySnapshot(
             marker=marker,
             tenants=tenants,
             key_hash_to_tenant_id=key_map,
+            key_hash_to_key_id={key_hash: key_id for key_hash, _, key_id in live},
             promoted_hashes=frozenset(PrefixHash(h) for h, revoked_at in hot if revoked_at is None),
             known_hashes=frozenset(PrefixHash(h) for h, _ in hot),
         )

@@ -1,4 +1,9 @@
-"""The usage record of one request, as the gateway produces it (before it reaches SQL)."""
+"""The usage record of one request, as the gateway produces it (before it reaches SQL).
+
+A record says what was *delivered* (prompt and cached tokens by tier, completion tokens actually sent),
+who ended the request (``outcome``) and what it cost, priced when the request ran: the unit prices are
+frozen into the record, so changing or deleting a tenant later never re-prices its history.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,56 @@ from typing import Any
 
 TIERS = ("l1", "l2", "l3", "remote")
 
+# Who ended a request. Only these values are stored (a CHECK-free string column: keep them short).
+OUTCOME_COMPLETED = "completed"  # the answer was delivered whole
+OUTCOME_CLIENT_CANCELLED = "client_cancelled"  # the client went away; billed what was sent
+OUTCOME_CLIENT_ERROR = "client_error"  # refused before any work (4xx): costs nothing
+OUTCOME_SERVER_ERROR = "server_error"  # a worker failed or crashed; billed what was sent
+OUTCOME_SHUTDOWN = "shutdown"  # the gateway stopped while it ran; billed what was sent
+OUTCOMES = (
+    OUTCOME_COMPLETED,
+    OUTCOME_CLIENT_CANCELLED,
+    OUTCOME_CLIENT_ERROR,
+    OUTCOME_SERVER_ERROR,
+    OUTCOME_SHUTDOWN,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prices:
+    """Prices per million tokens."""
+
+    input_per_mtok: float
+    cached_input_per_mtok: float
+    output_per_mtok: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cost:
+    """What one record costs, in the price's currency (rounded to 1e-9)."""
+
+    uncached_input: float
+    cached_input: float
+    output: float
+
+    @property
+    def total(self) -> float:
+        return round(self.uncached_input + self.cached_input + self.output, 9)
+
+
+def price_tokens(prices: Prices, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Cost:
+    """Cost of delivered tokens: uncached prompt at the input price, cached prompt at the cached
+    price, completion at the output price."""
+    uncached = max(prompt_tokens - cached_tokens, 0)
+    return Cost(
+        uncached_input=round(uncached * prices.input_per_mtok / 1e6, 9),
+        cached_input=round(min(cached_tokens, prompt_tokens) * prices.cached_input_per_mtok / 1e6, 9),
+        output=round(completion_tokens * prices.output_per_mtok / 1e6, 9),
+    )
+
+
+ZERO_PRICES = Prices(input_per_mtok=0.0, cached_input_per_mtok=0.0, output_per_mtok=0.0)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UsageEvent:
@@ -15,14 +70,28 @@ class UsageEvent:
     tenant_id: str
     model: str
     endpoint: str  # "chat.completions" | "completions"
-    status: int  # HTTP status returned to the tenant
-    prompt_tokens: int = 0
+    status: int  # HTTP status returned to the tenant (a stream cut later keeps its 200)
+    outcome: str = OUTCOME_COMPLETED  # who ended it: one of OUTCOMES
+    tenant_name: str = ""  # the name when the request ran (the tenant may be renamed or deleted)
+    key_id: str | None = None  # the API key it authenticated with
+    end_user: str | None = None  # the request's `user` field
+    prompt_tokens: int = 0  # billed prompt tokens (0 when nothing was delivered)
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # tokens actually sent to the client
     prefill_ms: float = 0.0
     saved_prefill_ms: float = 0.0
+    prices: Prices = ZERO_PRICES  # unit prices in force when the request ran
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def cost(self) -> Cost:
+        return price_tokens(
+            self.prices,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -33,18 +102,25 @@ class UsageEvent:
     def from_json(cls, data: dict[str, Any]) -> UsageEvent:
         values = dict(data)
         values["created_at"] = datetime.fromisoformat(values["created_at"])
+        if isinstance(values.get("prices"), dict):
+            values["prices"] = Prices(**values["prices"])
         return cls(**values)
 
     def to_row(self) -> dict[str, Any]:
         """Column values of ``tenancy.models.UsageRecord``."""
         created_at = self.created_at if self.created_at.tzinfo else self.created_at.replace(tzinfo=UTC)
         by_tier = self.cached_tokens_by_tier
+        cost = self.cost
         return {
             "request_id": self.request_id,
             "tenant_id": self.tenant_id,
+            "tenant_name": self.tenant_name[:200],
+            "key_id": self.key_id,
+            "end_user": None if self.end_user is None else self.end_user[:200],  # client-chosen
             "model": self.model[:200],  # a client-chosen string: must never make a record unstorable
             "endpoint": self.endpoint,
             "status": self.status,
+            "outcome": self.outcome,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "cached_l1_tokens": int(by_tier.get("l1", 0)),
@@ -54,6 +130,13 @@ class UsageEvent:
             "completion_tokens": self.completion_tokens,
             "prefill_ms": float(self.prefill_ms),
             "saved_prefill_ms": float(self.saved_prefill_ms),
+            "price_input_per_mtok": self.prices.input_per_mtok,
+            "price_cached_input_per_mtok": self.prices.cached_input_per_mtok,
+            "price_output_per_mtok": self.prices.output_per_mtok,
+            "cost_uncached_input": cost.uncached_input,
+            "cost_cached_input": cost.cached_input,
+            "cost_output": cost.output,
+            "cost_total": cost.total,
             "created_at": created_at,
             "created_hour": int(created_at.timestamp() // 3600),
         }

@@ -405,7 +405,15 @@ class Engine:
         handle = self._handles.get(seq.request_id)
         if reason is None:
             if handle is not None:
-                handle.push(RequestOutput(request_id=seq.request_id, text=delta, token_ids=[token]))
+                # The first token carries the prompt's usage (cached tokens by tier): a stream cut later
+                # is still billed its prompt as it was served.
+                first = len(seq.output_token_ids) == 1
+                prompt_usage = usage(seq, prefill_tokens_per_s=self.prefill_tokens_per_s) if first else None
+                handle.push(
+                    RequestOutput(
+                        request_id=seq.request_id, text=delta, token_ids=[token], usage=prompt_usage
+                    )
+                )
             return
         self.scheduler.finish(seq, reason)
         self._sequences.pop(seq.request_id, None)

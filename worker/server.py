@@ -157,6 +157,8 @@ async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[
                 }
             else:
                 line = {"type": "delta", "text": out.text, "token_ids": out.token_ids}
+                if out.usage:  # the first token's: the prompt's usage so far
+                    line["usage"] = out.usage
             await response.write(orjson.dumps(line) + b"\n")
     except (ConnectionResetError, ConnectionError):
         # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.cli import main as cli_main
 from gateway.state import USAGE_WRITER
-from tenancy.usage_types import UsageEvent
+from tenancy.usage_types import Prices, UsageEvent
 from tests.gateway.conftest import ADMIN, ADMIN_TOKEN, create_tenant
 
 
@@ -121,6 +121,8 @@ async def test_usage_report_json_and_csv(client):
                 cached_tokens=500,
                 completion_tokens=10,
                 saved_prefill_ms=100.0,
+                # Priced by the gateway when the request ran (tenancy.usage_types: frozen per record).
+                prices=Prices(input_per_mtok=2.0, cached_input_per_mtok=0.5, output_per_mtok=2.0),
             )
         )
     await writer.flush()

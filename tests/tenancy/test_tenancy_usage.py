@@ -6,10 +6,10 @@ from sqlalchemy import func, select
 from migrations import upgrade_database_async
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.models import UsageRecord
-from tenancy.reports import Prices, report_to_csv, report_totals, usage_report
+from tenancy.reports import export_requests, report_to_csv, report_totals, usage_report
 from tenancy.spool import UsageSpool
 from tenancy.usage import UsageWriter, insert_usage
-from tenancy.usage_types import UsageEvent
+from tenancy.usage_types import Prices, UsageEvent
 
 
 def event(request_id: str, **kwargs) -> UsageEvent:
@@ -84,47 +84,55 @@ async def test_restart_replays_spool_left_by_previous_process(tmp_path: Path, sq
     await engine.dispose()
 
 
-async def test_report_groups_prices_and_csv(db_url):
+PRICED = Prices(input_per_mtok=10.0, cached_input_per_mtok=1.0, output_per_mtok=20.0)
+DEFAULTS = Prices(input_per_mtok=1.0, cached_input_per_mtok=0.1, output_per_mtok=2.0)
+
+
+async def test_report_sums_the_prices_frozen_in_each_record(db_url):
+    """Prices are applied when a request runs: changing or deleting the tenant later changes nothing."""
     engine = create_engine(db_url)
     sessionmaker = create_sessionmaker(engine)
     from tenancy.repository import TenantRepository
 
     repo = TenantRepository(sessionmaker)
-    priced, _ = await repo.create_tenant(
-        {
-            "name": "priced",
-            "price_input_per_mtok": 10.0,
-            "price_cached_input_per_mtok": 1.0,
-            "price_output_per_mtok": 20.0,
-        }
-    )
+    priced, _ = await repo.create_tenant({"name": "priced"})
     day = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
+    common = {"tenant_id": priced.tenant_id, "tenant_name": "priced", "key_id": "key_1"}
     await insert_usage(
         sessionmaker,
         [
             event(
                 "p1",
-                tenant_id=priced.tenant_id,
+                **common,
                 created_at=day,
                 prompt_tokens=1_000_000,
                 cached_tokens=500_000,
                 completion_tokens=100_000,
+                prices=PRICED,
             ),
             event(
                 "p2",
-                tenant_id=priced.tenant_id,
+                **common,
                 created_at=day + timedelta(hours=1),
-                status=500,
+                status=502,
+                outcome="server_error",
                 prompt_tokens=0,
                 cached_tokens=0,
                 completion_tokens=0,
                 cached_tokens_by_tier={},
+                prices=PRICED,
             ),
-            event("d1", tenant_id="tn_deleted", created_at=day + timedelta(days=1)),
+            event(
+                "d1",
+                tenant_id="tn_deleted",
+                tenant_name="gone",
+                created_at=day + timedelta(days=1),
+                prices=DEFAULTS,
+            ),
         ],
     )
-    defaults = Prices(input_per_mtok=1.0, cached_input_per_mtok=0.1, output_per_mtok=2.0)
-    rows = await usage_report(sessionmaker, default_prices=defaults, granularity="day")
+    await repo.update_tenant(priced.tenant_id, {"price_input_per_mtok": 999.0, "name": "renamed"})
+    rows = await usage_report(sessionmaker, granularity="day")
     assert [(r.tenant_id, r.period_start) for r in rows] == [
         (priced.tenant_id, "2026-03-01T00:00:00+00:00"),
         ("tn_deleted", "2026-03-02T00:00:00+00:00"),
@@ -136,14 +144,16 @@ async def test_report_groups_prices_and_csv(db_url):
         1_000_000,
         500_000,
     )
-    assert first.hit_rate == 0.5 and first.tenant_name == "priced"
+    assert first.hit_rate == 0.5 and first.tenant_name == "priced" and first.key_id == "key_1"
     assert first.cost_uncached_input == 5.0 and first.cost_cached_input == 0.5 and first.cost_output == 2.0
     assert first.cost_total == 7.5 and first.saved_cost == 4.5
-    assert rows[1].tenant_name is None and rows[1].cost_output == 10 * 2.0 / 1e6
+    assert rows[1].tenant_name == "gone" and rows[1].cost_output == 10 * 2.0 / 1e6
+
+    await repo.delete_tenant(priced.tenant_id)
+    assert await usage_report(sessionmaker, granularity="day") == rows
 
     hourly = await usage_report(
         sessionmaker,
-        default_prices=defaults,
         granularity="hour",
         tenant_id=priced.tenant_id,
         start=day,
@@ -153,8 +163,63 @@ async def test_report_groups_prices_and_csv(db_url):
     totals = report_totals(rows)
     assert totals["requests"] == 3 and totals["prompt_tokens"] == 1_000_100
     csv_text = report_to_csv(rows)
-    assert csv_text.splitlines()[0].startswith("tenant_id,tenant_name,period_start,requests")
+    assert csv_text.splitlines()[0].startswith("tenant_id,tenant_name,model,key_id,end_user,period_start")
     assert len(csv_text.splitlines()) == 3
+    await engine.dispose()
+
+
+async def test_report_by_model_key_and_end_user_and_csv_is_formula_safe(sqlite_url):
+    engine = create_engine(sqlite_url)
+    sessionmaker = create_sessionmaker(engine)
+    day = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
+    evil = '=HYPERLINK("http://x","y")'
+    await insert_usage(
+        sessionmaker,
+        [
+            event("a", key_id="key_1", end_user="alice", created_at=day, prices=DEFAULTS),
+            event("b", key_id="key_1", end_user="bob", created_at=day, prices=DEFAULTS),
+            event("c", key_id="key_2", end_user="alice", created_at=day, prices=DEFAULTS),
+            event("d", key_id="key_2", model="other", end_user=evil, tenant_name="+cmd", created_at=day),
+        ],
+    )
+    by_key = await usage_report(sessionmaker)
+    assert [(r.model, r.key_id, r.requests, r.end_user) for r in by_key] == [
+        ("m", "key_1", 2, None),
+        ("m", "key_2", 1, None),
+        ("other", "key_2", 1, None),
+    ]
+    by_user = await usage_report(sessionmaker, by_end_user=True)
+    assert [(r.model, r.key_id, r.end_user) for r in by_user] == [
+        ("m", "key_1", "alice"),
+        ("m", "key_1", "bob"),
+        ("m", "key_2", "alice"),
+        ("other", "key_2", evil),
+    ]
+    text = report_to_csv(by_user)
+    assert "'=HYPERLINK" in text and "'+cmd" in text
+    assert not any(cell.startswith(("=", "+", "@")) for line in text.splitlines() for cell in line.split(","))
+    await engine.dispose()
+
+
+async def test_per_request_export_pages_with_a_cursor(sqlite_url):
+    engine = create_engine(sqlite_url)
+    sessionmaker = create_sessionmaker(engine)
+    await insert_usage(sessionmaker, [event(f"r{i:02d}", prices=DEFAULTS) for i in range(25)])
+    seen, cursor = [], None
+    while True:
+        page = await export_requests(sessionmaker, cursor=cursor, limit=10)
+        seen += [row["request_id"] for row in page.data]
+        cursor = page.next_cursor
+        if not page.has_more:
+            break
+    assert seen == [f"r{i:02d}" for i in range(25)]
+    first = (await export_requests(sessionmaker, limit=1)).data[0]
+    assert first["cost_total"] == event("x", prices=DEFAULTS).cost.total > 0
+    assert first["outcome"] == "completed" and first["price_output_per_mtok"] == 2.0
+    # Records stored later (a spool replayed) come after the cursor: a consumer never misses them.
+    await insert_usage(sessionmaker, [event("late", prices=DEFAULTS)])
+    page = await export_requests(sessionmaker, cursor=cursor)
+    assert [row["request_id"] for row in page.data] == ["late"]
     await engine.dispose()
 
 

@@ -1,0 +1,147 @@
+"""Admin routes over billing: usage reports, the per-request export, and usage records the database
+refused (listed and retried)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+from datetime import UTC, date, datetime
+from typing import Any
+
+from aiohttp import web
+
+from gateway.errors import InvalidRequest
+from gateway.state import SESSIONMAKER, USAGE_WRITER
+from tenancy.reports import (
+    EXPORT_FIELDS,
+    GRANULARITY_HOURS,
+    export_requests,
+    parse_cursor,
+    report_to_csv,
+    report_totals,
+    rows_to_csv,
+    usage_report,
+)
+
+
+def _time_query(request: web.Request, name: str) -> datetime | None:
+    raw = request.query.get(name)
+    if not raw:
+        return None
+    try:
+        moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            moment = datetime.combine(date.fromisoformat(raw), datetime.min.time())
+        except ValueError:
+            raise InvalidRequest(f"'{name}' must be an ISO 8601 date or time", param=name) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _choice(request: web.Request, name: str, choices: tuple[str, ...], default: str) -> str:
+    value = request.query.get(name, default)
+    if value not in choices:
+        raise InvalidRequest(f"'{name}' must be one of {', '.join(choices)}", param=name)
+    return value
+
+
+def _limit(request: web.Request, default: int, maximum: int) -> int:
+    raw = request.query.get("limit")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest("'limit' must be an integer", param="limit") from None
+    if not 1 <= value <= maximum:
+        raise InvalidRequest(f"'limit' must be between 1 and {maximum}", param="limit")
+    return value
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
+
+
+def _csv(text: str, filename: str) -> web.Response:
+    return web.Response(
+        text=text,
+        content_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+async def usage_report_handler(request: web.Request) -> web.Response:
+    """GET /reports/usage: per tenant × model × key (× end user with group_by=end_user), hour or day."""
+    granularity = _choice(request, "granularity", tuple(GRANULARITY_HOURS), "day")
+    output = _choice(request, "format", ("json", "csv"), "json")
+    group_by = _choice(request, "group_by", ("key", "end_user"), "key")
+    start, end = _time_query(request, "start"), _time_query(request, "end")
+    rows = await usage_report(
+        request.config_dict[SESSIONMAKER],
+        tenant_id=request.query.get("tenant_id") or None,
+        start=start,
+        end=end,
+        granularity=granularity,
+        by_end_user=group_by == "end_user",
+    )
+    if output == "csv":
+        return _csv(report_to_csv(rows), "usage.csv")
+    return web.json_response(
+        {
+            "object": "usage_report",
+            "granularity": granularity,
+            "group_by": group_by,
+            "start": _iso(start),
+            "end": _iso(end),
+            "data": [asdict(row) for row in rows],
+            "totals": report_totals(rows),
+        }
+    )
+
+
+async def request_export_handler(request: web.Request) -> web.Response:
+    """GET /reports/requests: one record per request, in insertion order, paged with ``cursor``."""
+    output = _choice(request, "format", ("json", "csv"), "json")
+    cursor = request.query.get("cursor") or None
+    try:
+        parse_cursor(cursor)
+    except ValueError:
+        raise InvalidRequest("'cursor' is not a cursor this API returned", param="cursor") from None
+    page = await export_requests(
+        request.config_dict[SESSIONMAKER],
+        tenant_id=request.query.get("tenant_id") or None,
+        start=_time_query(request, "start"),
+        end=_time_query(request, "end"),
+        cursor=cursor,
+        limit=_limit(request, 1000, 10_000),
+    )
+    if output == "csv":
+        response = _csv(rows_to_csv(page.data, EXPORT_FIELDS), "requests.csv")
+        response.headers["X-Next-Cursor"] = page.next_cursor or ""
+        response.headers["X-Has-More"] = "true" if page.has_more else "false"
+        return response
+    return web.json_response(
+        {"object": "list", "data": page.data, "next_cursor": page.next_cursor, "has_more": page.has_more}
+    )
+
+
+async def rejected_list_handler(request: web.Request) -> web.Response:
+    """GET /usage/rejected: usage records the database refused (kept aside, retried periodically)."""
+    writer = request.config_dict[USAGE_WRITER]
+    limit = _limit(request, 100, 10_000)
+    records = await asyncio.to_thread(writer.rejected.read)
+    data: list[dict[str, Any]] = [event.to_json() for event in records[:limit]]
+    return web.json_response({"object": "list", "total": len(records), "data": data})
+
+
+async def rejected_retry_handler(request: web.Request) -> web.Response:
+    """POST /usage/rejected/retry: try them again now."""
+    stored, still_rejected = await request.config_dict[USAGE_WRITER].retry_rejected()
+    return web.json_response({"stored": stored, "rejected": still_rejected})
+
+
+def add_routes(admin: web.Application) -> None:
+    admin.router.add_get("/reports/usage", usage_report_handler)
+    admin.router.add_get("/reports/requests", request_export_handler)
+    admin.router.add_get("/usage/rejected", rejected_list_handler)
+    admin.router.add_post("/usage/rejected/retry", rejected_retry_handler)

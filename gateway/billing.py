@@ -1,0 +1,87 @@
+"""What one tenant request did, and the usage record it makes: delivered tokens, who ended it, and the
+prices in force when it ran.
+
+Billing rules:
+- a request that delivered nothing (refused, failed before its first token, cancelled before any output)
+  costs nothing and records 0 tokens;
+- a completed request is billed the worker's usage;
+- a request cut part-way (client gone, worker crash, gateway shutdown) is billed its prompt as served
+  and the completion tokens actually sent to the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.pipeline import PreparedRequest
+from tenancy.policy import TenantPolicy
+from tenancy.usage_types import OUTCOME_COMPLETED, Prices, UsageEvent
+
+STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request" (before any answer)
+
+
+@dataclass(slots=True)
+class TenantCall:
+    """What one tenant request did, for its usage record and metrics."""
+
+    tenant: TenantPolicy
+    endpoint: str
+    request_id: str
+    key_id: str | None = None
+    end_user: str | None = None  # the request's `user` field
+    model: str = ""
+    status: int = 200  # HTTP status the client got (a stream keeps its 200 once its headers went out)
+    outcome: str | None = None  # who ended it (tenancy.usage_types.OUTCOMES); None: not decided yet
+    headers_sent: bool = False  # a stream's 200 went out
+    num_prompt_tokens: int = 0  # known before the worker answers
+    usage: dict[str, Any] | None = None  # the worker's final usage, once delivered to the client
+    prompt_usage: dict[str, Any] | None = None  # the prompt's usage from a stream's first token
+    delivered_tokens: int = 0  # completion tokens whose text was written to the client
+    prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
+    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
+    started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
+
+
+def tenant_prices(tenant: TenantPolicy, config: GatewayConfig) -> Prices:
+    """The tenant's unit prices, or the gateway's defaults where it has none."""
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    return Prices(
+        input_per_mtok=pick(tenant.price_input_per_mtok, config.price_input_per_mtok),
+        cached_input_per_mtok=pick(tenant.price_cached_input_per_mtok, config.price_cached_input_per_mtok),
+        output_per_mtok=pick(tenant.price_output_per_mtok, config.price_output_per_mtok),
+    )
+
+
+def usage_event(call: TenantCall, prices: Prices) -> UsageEvent:
+    """The record of a finished call (see the billing rules above)."""
+    outcome = call.outcome or OUTCOME_COMPLETED
+    completed = outcome == OUTCOME_COMPLETED and call.usage is not None
+    delivered = call.delivered_tokens
+    billed = completed or delivered > 0
+    usage = (call.usage if completed else call.prompt_usage) or {}
+    if not billed:
+        usage = {}
+    by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
+    return UsageEvent(
+        request_id=call.request_id,
+        tenant_id=call.tenant.tenant_id,
+        tenant_name=call.tenant.name,
+        key_id=call.key_id,
+        end_user=call.end_user,
+        model=call.model,
+        endpoint=call.endpoint,
+        status=call.status,
+        outcome=outcome,
+        prompt_tokens=int(usage.get("prompt_tokens", call.num_prompt_tokens)) if billed else 0,
+        cached_tokens=int(usage.get("cached_tokens", 0)),
+        cached_tokens_by_tier=by_tier,
+        completion_tokens=int(call.usage.get("completion_tokens", delivered)) if completed else delivered,
+        prefill_ms=float(usage.get("prefill_ms", 0.0)),
+        saved_prefill_ms=float(usage.get("estimated_saved_prefill_ms", 0.0)),
+        prices=prices,
+    )
