@@ -33,9 +33,16 @@ CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved o
 
 
 def bearer_token(request: web.Request) -> str | None:
+    """The bearer token, or None when absent. Keys and tokens are printable ASCII: anything else
+    (bytes that are not UTF-8 arrive as surrogates) is refused here, before any hashing sees it."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    if not (token.isascii() and token.isprintable()):
+        raise AuthenticationError("malformed Authorization header: the token must be printable ASCII")
+    return token
 
 
 def authenticate(request: web.Request) -> TenantPolicy:
