@@ -15,8 +15,9 @@ from gateway import openai_api
 from gateway.admin_api import create_admin_app
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
-from gateway.errors import error_middleware
-from gateway.metrics import GatewayMetrics
+from gateway.errors import AuthenticationError, error_middleware
+from gateway.metrics import TENANT_LABEL_MODES, GatewayMetrics
+from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
@@ -40,10 +41,12 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.workers import WorkerPool
+from policies.isolation import tenant_namespace_id
 from policies.promotion import InMemoryPromotionCounter, PromotionCounter, PromotionPolicy
 from tenancy.cache import PolicyCache
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.hot_prefixes import HotPrefixRepository
+from tenancy.keys import tokens_equal
 from tenancy.repository import TenantRepository
 from tenancy.spool import UsageSpool
 from tenancy.usage import UsageWriter
@@ -153,6 +156,14 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    given = bearer_token(request)
+    accepted = [token for token in (config.metrics_token, config.admin_token) if token]
+    if given is None or not any(tokens_equal(given, token) for token in accepted):
+        raise AuthenticationError(
+            "/metrics needs 'Authorization: Bearer <PREFIXGATE_METRICS_TOKEN or the admin token>'",
+            code="invalid_metrics_token",
+        )
     metrics, writer = request.app[METRICS], request.app[USAGE_WRITER]
     metrics.spool_depth.set(writer.spool.depth())
     metrics.usage_pending.set(writer.pending)
@@ -176,7 +187,13 @@ def create_app(config: GatewayConfig) -> web.Application:
         raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
-    app[METRICS] = GatewayMetrics()
+    if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
+        raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")
+    salt = config.salt_bytes
+    hashed = config.metrics_tenant_labels == "hash"
+    app[METRICS] = GatewayMetrics(
+        tenant_label=(lambda tenant_id: tenant_namespace_id(salt, tenant_id)) if hashed else None
+    )
     app[CANONICALIZER] = CanonicalizationStep()
     app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])
     openai_api.add_routes(app)

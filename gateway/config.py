@@ -43,9 +43,11 @@ class GatewayConfig:
     price_output_per_mtok: float = 2.0
     promotion_min_hits: int = 1000  # hot-prefix promotion: hits per hour (PREFIXGATE_PROMOTION_MIN_HITS)
     promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 2 if set lower)
-    promotion_store_text: bool = True  # keep a promoted prefix's text for admins (GET …/hot-prefixes/{id})
+    promotion_store_text: bool = False  # keep a promoted prefix's text for admins (off: hashes only)
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
     purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
+    metrics_token: str | None = field(default=None, repr=False)  # bearer for /metrics (None: admin token)
+    metrics_tenant_labels: str = "id"  # "id" or "hash" (the tenant's opaque namespace id)
     log_level: str = "INFO"
 
     @property

@@ -130,7 +130,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         saved_prefill_ms=float(usage.get("estimated_saved_prefill_ms", 0.0)),
     )
     request.config_dict[USAGE_WRITER].submit(event)
-    metrics, tenant = request.config_dict[METRICS], call.tenant.tenant_id
+    metrics = request.config_dict[METRICS]
+    tenant = metrics.tenant_label(call.tenant.tenant_id)
     metrics.requests.labels(tenant, call.endpoint, str(call.status)).inc()
     metrics.latency.labels(call.endpoint).observe(elapsed_s)
     metrics.prompt_tokens.labels(tenant).inc(event.prompt_tokens)

@@ -89,7 +89,7 @@ async def test_three_opted_in_tenants_promote_a_shared_system_prompt(gateway):
     assert shown["text"].startswith("<|bos|>") and system[:1600] in shown["text"]  # whole blocks only
     assert "question" not in shown["text"]
 
-    metrics = await (await gateway.get("/metrics")).text()
+    metrics = await (await gateway.get("/metrics", headers=ADMIN)).text()
     assert "prefixgate_hot_prefix_promotions_total 1.0" in metrics
     assert "prefixgate_hot_prefixes 1.0" in metrics
     assert 'prefixgate_promoted_prefix_tokens_total{tenant="' in metrics

@@ -122,7 +122,7 @@ async def test_two_replicas_share_counters_and_promotions(
 
 
 async def counter_errors(client) -> float:
-    text = await (await client.get("/metrics")).text()
+    text = await (await client.get("/metrics", headers=ADMIN)).text()
     (line,) = [
         line for line in text.splitlines() if line.startswith("prefixgate_promotion_counter_errors_total")
     ]
