@@ -141,6 +141,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         metrics.cached_tokens.labels(tenant, tier).inc(count)
     if call.prepared is not None:
         _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
+        if call.status == 200 and call.usage is not None:  # served: only now may it count for promotion
+            request.config_dict[PIPELINE].served(call.prepared)
 
 
 Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]
