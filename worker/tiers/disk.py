@@ -34,6 +34,8 @@ from worker.tiers.host import DemotedBlock
 log = logging.getLogger("prefixgate.worker.disk")
 _NS_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 HEADER_READ_BYTES = 1 << 16
+DIR_MODE = 0o700  # KV files hold tenants' prompts (token ids, keys/values): owner only
+FILE_MODE = 0o600
 
 
 @dataclass(slots=True)
@@ -111,7 +113,9 @@ class DiskTier:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._paused_until = 0.0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        for directory in (root, self.dir):  # cached prompts: the worker's user only
+            directory.chmod(DIR_MODE)
         self._scan(root)
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -121,6 +125,10 @@ class DiskTier:
                 self.counters["foreign_deleted_total"] += sum(1 for _ in other.rglob("*.kv"))
                 shutil.rmtree(other, ignore_errors=True)
         for path in sorted(self.dir.rglob("*")):
+            if path.is_dir():
+                path.chmod(DIR_MODE)  # written by an older version with the umask's mode
+            elif path.suffix == ".kv":
+                path.chmod(FILE_MODE)
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
             elif path.suffix == ".kv":
@@ -284,11 +292,12 @@ class DiskTier:
             )
         self._make_room(len(entry), namespace_id)
         directory = self.dir / _safe_dirname(namespace_id)
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(exist_ok=True, mode=DIR_MODE)
         path = directory / f"{run[0].record.block_hash.hex()}.kv"
         tmp = path.with_suffix(".tmp")
         try:
-            with tmp.open("wb") as handle:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with os.fdopen(fd, "wb") as handle:
                 handle.write(entry)
                 handle.flush()
                 os.fsync(handle.fileno())
