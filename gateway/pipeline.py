@@ -25,6 +25,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound,
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
+from gateway.special_tokens import chat_encoding
 from gateway.upstream import error_from_event
 from gateway.workers import WorkerPool
 from policies.hashing import NamespaceSegment, block_hashes
@@ -195,7 +196,7 @@ class RequestPipeline:
                 text = model.render_chat(request.messages, request.tools)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
-            encoding = model.tokenize_chat(text)
+            encoding = chat_encoding(model, request.messages, request.tools, text)
             token_ids = encoding.ids
         elif isinstance(request.prompt, str):
             text = request.prompt
