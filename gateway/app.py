@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -24,6 +25,7 @@ from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
+from gateway.slow_clients import STARTED, read_body_middleware
 from gateway.state import (
     CANONICALIZER,
     CONFIG,
@@ -185,7 +187,11 @@ def create_app(config: GatewayConfig) -> web.Application:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
     if not config.namespace_salt:
         raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(
+        middlewares=[error_middleware, read_body_middleware(config.read_timeout_s, config.max_body_bytes)],
+        client_max_size=config.max_body_bytes,
+    )
+    app[STARTED] = weakref.WeakSet()
     app[CONFIG] = config
     if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
         raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")

@@ -28,6 +28,8 @@ class GatewayConfig:
     admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
     namespace_salt: str | None = field(default=None, repr=False)  # None: generated in the data dir
     max_body_bytes: int = 4 * 1024 * 1024
+    header_timeout_s: float = 10.0  # a connection's first request head must be complete by then
+    read_timeout_s: float = 30.0  # a request body must have arrived by then (408)
     default_max_tokens: int = 512  # when a request gives none (capped by the context window)
     policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
     usage_flush_s: float = 0.5

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, prepare_data_dir
+from gateway.slow_clients import start_site
 from gateway.state import POLICY_CACHE, REPOSITORY, WORKER_POOL
 
 log = logging.getLogger("prefixgate")
@@ -31,11 +32,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+class _Serving:
+    """The gateway's runner and its listening server (closed together)."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer) -> None:
+        self.runner = runner
+        self.server = server
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
+
+
+async def _serve(app: web.Application, config: GatewayConfig) -> _Serving:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=75.0)
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    return runner
+    server = await start_site(runner, config.host, config.port, config.header_timeout_s)
+    return _Serving(runner, server)
 
 
 def _stop_event() -> asyncio.Event:
