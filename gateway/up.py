@@ -80,7 +80,16 @@ def run_gateway(config: GatewayConfig) -> int:
     return 0
 
 
-def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_token_from_env: bool) -> str:
+def _banner(
+    config: GatewayConfig,
+    model_id: str,
+    api_key: str | None,
+    admin_token_from_env: bool,
+    *,
+    admin_token_created: bool = False,
+) -> str:
+    """What ``prefixgate up`` prints once ready. The admin token is shown only when this start generated
+    it (terminal scrollback and logs keep what is printed on every start)."""
     base = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
     key = api_key or "$PREFIXGATE_API_KEY"
     lines = ["", f"prefixgate is up: {base}/v1  (model {model_id!r}, data in {config.data_dir.resolve()})"]
@@ -88,8 +97,10 @@ def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_tok
         lines.append(f"  demo tenant API key (shown once): {api_key}")
     else:
         lines.append("  demo tenant exists; get a fresh key with: prefixgate tenant rotate-key demo")
-    if not admin_token_from_env:
+    if not admin_token_from_env and admin_token_created:
         lines.append(f"  admin token (stored in {config.data_dir / 'admin_token'}): {config.admin_token}")
+    elif not admin_token_from_env:
+        lines.append(f"  admin token: in {config.data_dir / 'admin_token'} (shown only when it was created)")
     lines += [
         "",
         "Try it with curl:",
@@ -141,6 +152,7 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
 
     _setup_logging(config.log_level)
     admin_token_from_env = bool(config.admin_token)
+    admin_token_created = not admin_token_from_env and not (config.data_dir / "admin_token").exists()
     config = prepare_data_dir(config)
     upgrade_database(config.resolved_database_url)
     worker_port = worker_port or free_port()
@@ -184,7 +196,10 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
                 _, new_key = await repo.create_tenant({"name": "demo", "canonicalization": "on"})
                 api_key = new_key.api_key
                 await app[POLICY_CACHE].reload()
-            print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
+            banner = _banner(
+                config, model_id, api_key, admin_token_from_env, admin_token_created=admin_token_created
+            )
+            print(banner, flush=True)
             waiter = asyncio.create_task(worker.wait())
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
