@@ -134,8 +134,9 @@ async def promotion_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    headers = {"Authorization": f"Bearer {config.worker_secret}"} if config.worker_secret else None
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False, headers=headers
     )
     pool = WorkerPool(config.worker_urls, session, timeout_s=config.worker_timeout_s)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool

@@ -48,6 +48,7 @@ class GatewayConfig:
     promotion_store_text: bool = False  # keep a promoted prefix's text for admins (off: hashes only)
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
     purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
+    worker_secret: str | None = field(default=None, repr=False)  # bearer for the workers' API (worker.auth)
     metrics_token: str | None = field(default=None, repr=False)  # bearer for /metrics (None: admin token)
     metrics_tenant_labels: str = "id"  # "id" or "hash" (the tenant's opaque namespace id)
     log_level: str = "INFO"

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
 from worker.metrics import render as render_metrics
@@ -206,7 +207,11 @@ async def purge(request: web.Request) -> web.Response:
 
 def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Application:
     """The worker app; the engine is built (model loaded) and started in the app's startup."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    check_bind(config.host, config.shared_secret)
+    middlewares = [errors_middleware]
+    if config.shared_secret:
+        middlewares.append(auth_middleware(config.shared_secret))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[WORKER_ID] = uuid.uuid4().hex
 
     async def engine_lifetime(app: web.Application) -> AsyncIterator[None]:
