@@ -40,6 +40,7 @@ class WorkerConfig:
     remote_codec: str = "none"
     flush_on_stop: bool = True  # write cached blocks to the disk tier on a clean shutdown
     shared_secret: str | None = field(default=None, repr=False)  # bearer the gateways send (worker.auth)
+    at_rest_key: str | None = field(default=None, repr=False)  # AES-GCM for L3/Redis (tiers.at_rest)
 
     def disk_dir(self) -> Path | None:
         if self.l3_dir is not None:
