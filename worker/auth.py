@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no secret
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})  # liveness probes and the API's description
 
 
 def is_loopback(host: str) -> bool:

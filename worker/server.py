@@ -14,6 +14,7 @@ from aiohttp import web
 from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
+from worker.openapi import worker_openapi_spec
 from worker.metrics import render as render_metrics
 from worker.protocol import BadRequest, parse_generate
 
@@ -60,6 +61,8 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except json.JSONDecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc.msg}", code="invalid_json") from None
+    except ValueError:  # not UTF-8 (UnicodeDecodeError)
+        raise BadRequest("the body is not UTF-8 JSON", code="invalid_json") from None
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -107,9 +110,13 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     body = await _json(request)
     ids = body.get("token_ids") if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise BadRequest("'token_ids' must be a list of integers", param="token_ids")
-    return web.json_response({"text": request.app[ENGINE].tokenizer.decode(ids)})
+    tokenizer = request.app[ENGINE].tokenizer
+    vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+    ):
+        raise BadRequest(f"'token_ids' must be a list of integers in [0, {vocab_size})", param="token_ids")
+    return web.json_response({"text": tokenizer.decode(ids)})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -179,6 +186,10 @@ async def abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": known})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(worker_openapi_spec())
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].stats())
 
@@ -230,4 +241,5 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Applic
     app.router.add_get("/v1/stats", stats)
     app.router.add_post("/v1/purge", purge)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
