@@ -40,7 +40,9 @@ def make_blocks(namespace_id: str, count: int, seed: int) -> list[DemotedBlock]:
         block_hash = (seed * 1_000_003 + i).to_bytes(8, "little") * 4
         blocks.append(
             DemotedBlock(
-                record=BlockRecord(block_hash=block_hash, parent_hash=parent, token_ids=tuple(range(i, i + 16))),
+                record=BlockRecord(
+                    block_hash=block_hash, parent_hash=parent, token_ids=tuple(range(i, i + 16))
+                ),
                 namespace_id=namespace_id,
                 position=i,
                 data=torch.randn(BLOCK_SHAPE, generator=generator).to(DTYPE),
@@ -132,7 +134,9 @@ def main() -> None:
         if f"{tier} plain" in medians:
             plain, sealed = medians[f"{tier} plain"], medians[f"{tier} aes-gcm"]
             ratios[tier] = {k: sealed[k] / plain[k] for k in ("write", "read")}
-    table = Table(title=f"Encryption at rest: {num_blocks} blocks of {BLOCK_SHAPE} {DTYPE}, median of {rounds}")
+    table = Table(
+        title=f"Encryption at rest: {num_blocks} blocks of {BLOCK_SHAPE} {DTYPE}, median of {rounds}"
+    )
     for column in ("tier", "write GB/s", "read GB/s", "write ratio", "read ratio"):
         table.add_column(column, justify="right")
     for name, m in medians.items():

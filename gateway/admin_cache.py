@@ -61,7 +61,9 @@ def shared_cache_conflict(tenant_id: str, extra: str = "") -> ConflictError:
     return ConflictError(SHARED_CACHE_MESSAGE.format(tenant_id=tenant_id, extra=extra), code="shared_cache")
 
 
-async def purge_namespace_of(request: web.Request, tenant_id: str, epoch: int) -> tuple[PurgeResult, web.Response | None]:
+async def purge_namespace_of(
+    request: web.Request, tenant_id: str, epoch: int
+) -> tuple[PurgeResult, web.Response | None]:
     """Erase a (non-shared) tenant's namespace in every tier of every worker; audit and count it.
     Returns the result and, when a worker did not answer, the 502 response to send."""
     config, repository = request.config_dict[CONFIG], request.config_dict[REPOSITORY]

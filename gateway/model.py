@@ -112,7 +112,11 @@ class ModelRuntime:
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
         # Texts the tokenizer turns into single added (control) tokens, longest first.
         self.added_token_texts: tuple[str, ...] = tuple(
-            sorted({t.content for t in self._tokenizer.get_added_tokens_decoder().values()}, key=len, reverse=True)
+            sorted(
+                {t.content for t in self._tokenizer.get_added_tokens_decoder().values()},
+                key=len,
+                reverse=True,
+            )
         )
         self._literal_tokenizer: Tokenizer | None = None  # built on first use
 

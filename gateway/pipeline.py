@@ -80,7 +80,9 @@ class PromotionLookup(Protocol):
     counts a request once the worker has served it (never before: a refused request must not count).
     """
 
-    async def match(self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt) -> PromotionMatch: ...
+    async def match(
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+    ) -> PromotionMatch: ...
 
     def served(
         self, tenant: TenantPolicy, model: ModelRuntime, match: PromotionMatch, token_ids: Sequence[int]
@@ -89,7 +91,9 @@ class PromotionLookup(Protocol):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoPromotion:
-    async def match(self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt) -> PromotionMatch:
+    async def match(
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+    ) -> PromotionMatch:
         return PromotionMatch()
 
     def served(

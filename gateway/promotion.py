@@ -15,8 +15,9 @@ with ``share_hot_prefixes`` and not ``dedicated``), ``HotPrefixPromotion``:
    the background (retried until it lands); the policy reload brings it to every other replica.
 
 The request that completes the count is not served with the promotion and learns nothing of it;
-the next opted-in tenant's request creates the promoted copy of the prefix's KV. A counter failure (Redis down) pauses
-counting for ``pause_s``: promotions already in force keep working and requests are unaffected.
+the next opted-in tenant's request creates the promoted copy of the prefix's KV. A counter failure
+(Redis down) pauses counting for ``pause_s``: promotions already in force keep working and
+requests are unaffected.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ class HotPrefixPromotion:
             for prefix_hash in [h for h in self._pending if h in known]:
                 del self._pending[prefix_hash]
 
-    async def match(self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt) -> PromotionMatch:
+    async def match(
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+    ) -> PromotionMatch:
         if not hot_prefix_access(tenant.isolation, tenant.share_hot_prefixes):
             return PromotionMatch()
         prefixes = prompt_boundary_prefixes(model, prompt)

@@ -96,6 +96,8 @@ def namespace_segments(
             reserved_blocks=reserved_blocks if isolation.reserved_capacity else 0,
         )
     if start > 0:
-        promoted = NamespaceSegment(start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY)
+        promoted = NamespaceSegment(
+            start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY
+        )
         return [promoted, own]
     return [own]

@@ -3,11 +3,11 @@
 A *boundary prefix* is the prompt up to a message boundary (end of the system prompt, of the tools,
 of each document message before the last user turn), floored to whole KV blocks and identified by
 its *global-form hash*: the chained block hash (``policies.hashing``) it would have in the promoted
-namespace (``isolation.PROMOTED_NAMESPACE_KEY``). Hits are counted per hash in a sliding one-hour window, together with the distinct tenants
-that sent it. A prefix is promoted when it has at least ``min_hits_per_hour`` hits **and** at least
-``min_tenants`` distinct tenants (never fewer than 3), each tenant's hits counting only up to
-``min_hits_per_hour / min_tenants``. Promoted, it is hashed in the promoted namespace
-for every opted-in tenant (``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share
+namespace (``isolation.PROMOTED_NAMESPACE_KEY``). Hits are counted per hash in a sliding one-hour
+window, together with the distinct tenants that sent it. A prefix is promoted when it has at least
+``min_hits_per_hour`` hits **and** at least ``min_tenants`` distinct tenants (never fewer than 3),
+each tenant's hits counting only up to ``min_hits_per_hour / min_tenants``. Promoted, it is hashed in
+the promoted namespace for every opted-in tenant (``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share
 one copy of its KV cache.
 
 Privacy. A tenant's private prompt is seen from one tenant only, so it can never be promoted however
@@ -288,7 +288,12 @@ class SlidingWindowCounter:
         return len(self._counts)
 
     def record(
-        self, prefix_hash: PrefixHash, tenant_tag: TenantTag, now: float, *, max_hits_per_tenant: int | None = None
+        self,
+        prefix_hash: PrefixHash,
+        tenant_tag: TenantTag,
+        now: float,
+        *,
+        max_hits_per_tenant: int | None = None,
     ) -> PrefixStats:
         """Count one hit from ``tenant_tag``; return the stats including it (each tenant's hits
         capped at ``max_hits_per_tenant`` within the window)."""
@@ -309,7 +314,9 @@ class SlidingWindowCounter:
         buckets[bucket] = buckets.get(bucket, 0) + 1
         return self._stats(prefix_hash, counts, max_hits_per_tenant)
 
-    def stats(self, prefix_hash: PrefixHash, now: float, *, max_hits_per_tenant: int | None = None) -> PrefixStats:
+    def stats(
+        self, prefix_hash: PrefixHash, now: float, *, max_hits_per_tenant: int | None = None
+    ) -> PrefixStats:
         """Stats at ``now`` without counting a hit (zeros for an unknown prefix)."""
         counts = self._counts.get(prefix_hash)
         if counts is None:

@@ -31,7 +31,8 @@ def check_bind(host: str, shared_secret: str | None) -> None:
     if not shared_secret and not is_loopback(host):
         raise ValueError(
             f"the worker API would listen on {host!r} without authentication: set "
-            "PREFIXGATE_WORKER_SHARED_SECRET (and the gateway's PREFIXGATE_WORKER_SECRET), or bind to 127.0.0.1"
+            "PREFIXGATE_WORKER_SHARED_SECRET (and the gateway's PREFIXGATE_WORKER_SECRET), "
+            "or bind to 127.0.0.1"
         )
 
 

@@ -113,7 +113,11 @@ def worker_openapi_spec() -> dict[str, Any]:
             "/v1/abort": {
                 "post": _op(
                     "Abort a request",
-                    {"type": "object", "required": ["request_id"], "properties": {"request_id": {"type": "string"}}},
+                    {
+                        "type": "object",
+                        "required": ["request_id"],
+                        "properties": {"request_id": {"type": "string"}},
+                    },
                 )
             },
             "/v1/stats": {"get": _op("Tier, pool and scheduler statistics")},

@@ -14,8 +14,8 @@ from aiohttp import web
 from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
-from worker.openapi import worker_openapi_spec
 from worker.metrics import render as render_metrics
+from worker.openapi import worker_openapi_spec
 from worker.protocol import BadRequest, parse_generate
 
 log = logging.getLogger("prefixgate.worker")

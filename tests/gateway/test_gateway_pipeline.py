@@ -6,7 +6,12 @@ from gateway.pipeline import PreparedRequest, RequestPipeline
 from gateway.routing import RendezvousRouter
 from gateway.schemas import SamplingParams
 from gateway.workers import WorkerPool
-from policies.isolation import GLOBAL_NAMESPACE_ID, PROMOTED_NAMESPACE_ID, tenant_namespace_id, tenant_namespace_key
+from policies.isolation import (
+    GLOBAL_NAMESPACE_ID,
+    PROMOTED_NAMESPACE_ID,
+    tenant_namespace_id,
+    tenant_namespace_key,
+)
 from tenancy.policy import TenantPolicy
 
 SALT = b"test-salt"

@@ -23,8 +23,12 @@ async def test_admin_changes_reach_every_replica(aiohttp_client, pg_url, tmp_pat
     # Production-like refresh interval (the default), not the tests' fast one. A real worker: deleting
     # a tenant purges its KV first.
     workers = (worker_url,)
-    a = await aiohttp_client(create_app(make_config(pg_url, tmp_path / "a", policy_refresh_s=0.5, worker_urls=workers)))
-    b = await aiohttp_client(create_app(make_config(pg_url, tmp_path / "b", policy_refresh_s=0.5, worker_urls=workers)))
+    a = await aiohttp_client(
+        create_app(make_config(pg_url, tmp_path / "a", policy_refresh_s=0.5, worker_urls=workers))
+    )
+    b = await aiohttp_client(
+        create_app(make_config(pg_url, tmp_path / "b", policy_refresh_s=0.5, worker_urls=workers))
+    )
 
     created = await (await a.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN)).json()
     await wait_for_status(b, created["api_key"], 200)

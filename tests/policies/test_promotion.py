@@ -155,7 +155,9 @@ def test_boundary_prefixes_are_block_aligned_global_form_hashes():
     tokens = list(range(100))
     prefixes = boundary_prefixes(tokens, [5, 16, 40, 40, 47, None, 500], block_size=16, model_fingerprint=FP)
     assert [p.num_tokens for p in prefixes] == [16, 32]  # 500 is past the prompt: not a boundary
-    promoted = namespace_segments(level="shared", salt=b"s", tenant_id="x", epoch=0, promoted_prefix_tokens=96)
+    promoted = namespace_segments(
+        level="shared", salt=b"s", tenant_id="x", epoch=0, promoted_prefix_tokens=96
+    )
     global_hashes = block_hashes(tokens, 16, FP, promoted[:1])
     assert [p.prefix_hash for p in prefixes] == [global_hashes[i].hex() for i in (0, 1)]
     assert boundary_prefixes(tokens, [100], block_size=16, model_fingerprint=FP)[0].num_tokens == 96

@@ -24,7 +24,12 @@ async def fill_disk_tier(gateway, kv_dir, tenant: dict, other: dict) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_deleting_a_tenant_erases_its_kv_in_every_tier_first(aiohttp_client, sqlite_url, tmp_path, small_worker):
+async def test_deleting_a_tenant_erases_its_kv_in_every_tier_first(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    small_worker,  # noqa: F811 - the imported fixture
+):
     url, kv_dir, redis_url = small_worker
     gateway = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(url,))))
     doomed, keeper = await create_tenant(gateway, name="doomed"), await create_tenant(gateway, name="keeper")

@@ -20,7 +20,12 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-async def test_kv_files_are_0600_in_0700_directories(aiohttp_client, sqlite_url, tmp_path, small_worker):
+async def test_kv_files_are_0600_in_0700_directories(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    small_worker,  # noqa: F811 - the imported fixture
+):
     url, kv_dir, _ = small_worker
     gateway = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(url,))))
     tenant = await create_tenant(gateway)

@@ -56,7 +56,12 @@ async def test_non_utf8_authorization_header_is_a_401(client):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("max_tokens_limit", 2**63), ("isolation", ["shared"]), ("isolation", {"a": 1}), ("rate_limit_rpm", 2**70)],
+    [
+        ("max_tokens_limit", 2**63),
+        ("isolation", ["shared"]),
+        ("isolation", {"a": 1}),
+        ("rate_limit_rpm", 2**70),
+    ],
 )
 async def test_admin_patch_with_out_of_range_or_unhashable_values_is_a_400(client, field, value):
     tenant = await create_tenant(client)

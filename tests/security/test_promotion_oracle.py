@@ -31,7 +31,9 @@ async def key(gateway, name: str, **fields) -> str:
 
 
 async def ask(gateway, api_key: str, system: str, user: str, **extra):
-    return await gateway.post("/v1/chat/completions", json=chat_body(system, user, **extra), headers=auth(api_key))
+    return await gateway.post(
+        "/v1/chat/completions", json=chat_body(system, user, **extra), headers=auth(api_key)
+    )
 
 
 async def served(gateway, api_key: str, system: str, user: str) -> dict:
@@ -78,7 +80,9 @@ async def test_a_tenant_is_never_told_of_a_promotion_it_did_not_contribute_to(ga
     assert promoted_tokens(contributor) == row["num_tokens"]  # it helped promote it before
 
 
-async def test_one_party_padding_hits_cannot_stand_in_for_other_tenants(aiohttp_client, sqlite_url, tmp_path, worker_url):
+async def test_one_party_padding_hits_cannot_stand_in_for_other_tenants(
+    aiohttp_client, sqlite_url, tmp_path, worker_url
+):
     """Each tenant's hits count only up to min_hits / min_tenants, so k−1 tenants of an attacker need the
     victim to have sent the prompt often, not once."""
     config = make_config(

@@ -8,6 +8,10 @@ import pytest
 from gateway.app import create_app
 from gateway.up import _serve, free_port
 
+HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    b"Content-Type: application/json\r\nConnection: close\r\n"
+)
 BOUND_S = 10  # generous: the configured timeouts are 1 s; main held such connections 40 s and more
 
 
@@ -35,14 +39,14 @@ async def test_a_request_head_that_never_ends_is_cut_off(served):
 
 
 async def test_a_body_that_never_comes_is_a_408(served):
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-    answer = await exchange(served, head + b"Content-Length: 100\r\n\r\n{\"model\":")
+    head = HEAD
+    answer = await exchange(served, head + b'Content-Length: 100\r\n\r\n{"model":')
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b'"request_timeout"' in answer
 
 
 async def test_a_huge_content_length_is_refused_before_reading(served):
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    head = HEAD
     answer = await exchange(served, head + f"Content-Length: {50 << 20}\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
     assert b'"request_too_large"' in answer

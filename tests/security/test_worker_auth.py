@@ -25,7 +25,9 @@ def guarded_worker(tmp_path_factory):
 
 def status(url: str, headers: dict[str, str] | None = None, body: dict | None = None) -> int:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status

@@ -48,7 +48,10 @@ class AtRestCipher:
             if len(self._keys) >= MAX_CACHED_KEYS:
                 self._keys.clear()
             material = HKDF(
-                algorithm=hashes.SHA256(), length=32, salt=b"prefixgate kv at rest v1", info=namespace_id.encode()
+                algorithm=hashes.SHA256(),
+                length=32,
+                salt=b"prefixgate kv at rest v1",
+                info=namespace_id.encode(),
             ).derive(self._secret)
             key = self._keys[namespace_id] = AESGCM(material)
         return key
