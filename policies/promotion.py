@@ -7,8 +7,8 @@ namespace (``isolation.PROMOTED_NAMESPACE_KEY``). Hits are counted per hash in a
 window, together with the distinct tenants that sent it. A prefix is promoted when it has at least
 ``min_hits_per_hour`` hits **and** at least ``min_tenants`` distinct tenants (never fewer than 3),
 each tenant's hits counting only up to ``min_hits_per_hour / min_tenants``. Promoted, it is hashed in
-the promoted namespace for every opted-in tenant (``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share
-one copy of its KV cache.
+the promoted namespace for every opted-in tenant
+(``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share one copy of its KV cache.
 
 Privacy. A tenant's private prompt is seen from one tenant only, so it can never be promoted however
 often it is sent; and a tenant cannot learn by timing whether another tenant sent some text unless
