@@ -111,15 +111,35 @@ async def update_tenant(request: web.Request) -> web.Response:
 
 
 async def delete_tenant(request: web.Request) -> web.Response:
+    """Purge first, then delete: a tenant is gone only once its KV is gone from every tier of every
+    worker (502 and still there when a worker did not answer; retry). A ``shared`` tenant's KV is the
+    common pool's: 409 unless ``?shared_cache=keep`` says the admin knows it stays."""
     tenant_id = request.match_info["tenant_id"]
-    await request.config_dict[REPOSITORY].delete_tenant(tenant_id)
+    repository = request.config_dict[REPOSITORY]
+    policy, _ = await repository.get_tenant(tenant_id)  # 404 for an unknown tenant
+    purge: dict[str, Any] | None = None
+    if policy.isolation == "shared":
+        if request.query.get("shared_cache") != "keep":
+            raise admin_cache.shared_cache_conflict(tenant_id, "; or delete with ?shared_cache=keep.")
+    else:
+        epoch = await repository.invalidate(tenant_id)  # nothing cached from now on is reusable
+        await _changed(request)
+        result, failure = await admin_cache.purge_namespace_of(request, tenant_id, epoch)
+        if failure is not None:
+            return failure
+        purge = result.to_json()
+    await repository.delete_tenant(tenant_id)
     await _changed(request)
-    return web.json_response({"id": tenant_id, "object": "tenant", "deleted": True})
+    return web.json_response({"id": tenant_id, "object": "tenant", "deleted": True, "purge": purge})
 
 
 async def invalidate_tenant(request: web.Request) -> web.Response:
     tenant_id = request.match_info["tenant_id"]
-    epoch = await request.config_dict[REPOSITORY].invalidate(tenant_id)
+    repository = request.config_dict[REPOSITORY]
+    policy, _ = await repository.get_tenant(tenant_id)
+    if policy.isolation == "shared":  # its key is the global one: an epoch bump would change nothing
+        raise admin_cache.shared_cache_conflict(tenant_id, ".")
+    epoch = await repository.invalidate(tenant_id)
     await _changed(request)
     return web.json_response({"id": tenant_id, "object": "tenant", "epoch": epoch, "invalidated": True})
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import UpstreamError
-from gateway.purge import purge_namespace
+from gateway.errors import ConflictError, UpstreamError
+from gateway.purge import PurgeResult, purge_namespace
 from gateway.state import CONFIG, HOT_PREFIXES, METRICS, POLICY_CACHE, PROMOTION, REPOSITORY, WORKER_POOL
 from policies.isolation import tenant_namespace_id
 from tenancy.hot_prefixes import HotPrefixInfo
@@ -49,17 +49,24 @@ async def revoke_hot_prefix(request: web.Request) -> web.Response:
     return web.json_response(_hot_prefix_json(info))
 
 
-async def purge_tenant(request: web.Request) -> web.Response:
-    """Erase the tenant's KV from every tier of every worker, and bump its epoch.
+SHARED_CACHE_MESSAGE = (
+    "tenant {tenant_id!r} is 'shared': its KV lives in the common pool under the global namespace, "
+    "mixed with every other shared tenant's and not attributable to it, so it cannot be erased or "
+    "invalidated on its own. Move the tenant to 'namespace' isolation first (later requests are then "
+    "private and purgeable){extra}"
+)
 
-    The epoch bump makes any copy the purge could not reach (a worker down, a write in flight)
-    unreachable by key for good. 200 when every worker answered; 502 with the same body, plus an
-    OpenAI-style ``error``, when any did not (retry: purging twice is harmless).
-    """
-    tenant_id = request.match_info["tenant_id"]
+
+def shared_cache_conflict(tenant_id: str, extra: str = "") -> ConflictError:
+    return ConflictError(SHARED_CACHE_MESSAGE.format(tenant_id=tenant_id, extra=extra), code="shared_cache")
+
+
+async def purge_namespace_of(
+    request: web.Request, tenant_id: str, epoch: int
+) -> tuple[PurgeResult, web.Response | None]:
+    """Erase a (non-shared) tenant's namespace in every tier of every worker; audit and count it.
+    Returns the result and, when a worker did not answer, the 502 response to send."""
     config, repository = request.config_dict[CONFIG], request.config_dict[REPOSITORY]
-    epoch = await repository.invalidate(tenant_id)  # 404 for an unknown tenant
-    await request.config_dict[POLICY_CACHE].reload()
     namespace_id = tenant_namespace_id(config.salt_bytes, tenant_id)
     result = await purge_namespace(
         request.config_dict[WORKER_POOL], namespace_id, timeout_s=config.purge_timeout_s
@@ -72,15 +79,36 @@ async def purge_tenant(request: web.Request) -> web.Response:
     metrics.purges.labels("complete" if result.complete else "partial").inc()
     for tier, count in result.blocks_erased.items():
         metrics.purged_blocks.labels(tier).inc(count)
-    body = {"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json()}
     if result.complete:
-        return web.json_response(body)
+        return result, None
     error = UpstreamError(
         f"purge incomplete: {len(failed)} of {len(result.workers)} worker(s) did not answer "
         f"({', '.join(failed)}); their copies can no longer be reused (epoch {epoch}); retry the purge",
         code="purge_incomplete",
     )
-    return web.json_response({**body, **error.to_json()}, status=error.status)
+    body = {"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json(), **error.to_json()}
+    return result, web.json_response(body, status=error.status)
+
+
+async def purge_tenant(request: web.Request) -> web.Response:
+    """Erase the tenant's KV from every tier of every worker, and bump its epoch.
+
+    The epoch bump makes any copy the purge could not reach (a worker down, a write in flight)
+    unreachable by key for good. 200 when every worker answered; 502 with the same body, plus an
+    OpenAI-style ``error``, when any did not (retry: purging twice is harmless). 409 for a ``shared``
+    tenant, whose KV is not its own to erase.
+    """
+    tenant_id = request.match_info["tenant_id"]
+    repository = request.config_dict[REPOSITORY]
+    policy, _ = await repository.get_tenant(tenant_id)  # 404 for an unknown tenant
+    if policy.isolation == "shared":
+        raise shared_cache_conflict(tenant_id, "; then purge erases what it caches from then on.")
+    epoch = await repository.invalidate(tenant_id)
+    await request.config_dict[POLICY_CACHE].reload()
+    result, failure = await purge_namespace_of(request, tenant_id, epoch)
+    if failure is not None:
+        return failure
+    return web.json_response({"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json()})
 
 
 def add_routes(admin: web.Application) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -18,14 +19,16 @@ from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.cpu import CpuPool
 from gateway.drain import Drain, on_shutdown
-from gateway.errors import error_middleware
-from gateway.metrics import GatewayMetrics
+from gateway.errors import AuthenticationError, error_middleware
+from gateway.metrics import TENANT_LABEL_MODES, GatewayMetrics
+from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
+from gateway.slow_clients import STARTED, read_body_middleware
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -45,10 +48,12 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.workers import WorkerPool
+from policies.isolation import tenant_namespace_id
 from policies.promotion import InMemoryPromotionCounter, PromotionCounter, PromotionPolicy
 from tenancy.cache import PolicyCache
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.hot_prefixes import HotPrefixRepository
+from tenancy.keys import tokens_equal
 from tenancy.repository import TenantRepository
 from tenancy.spool import UsageSpool
 from tenancy.usage import UsageWriter
@@ -143,8 +148,9 @@ async def promotion_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    headers = {"Authorization": f"Bearer {config.worker_secret}"} if config.worker_secret else None
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), auto_decompress=False, headers=headers
     )
     pool = WorkerPool(
         config.worker_urls,
@@ -176,6 +182,14 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    given = bearer_token(request)
+    accepted = [token for token in (config.metrics_token, config.admin_token) if token]
+    if given is None or not any(tokens_equal(given, token) for token in accepted):
+        raise AuthenticationError(
+            "/metrics needs 'Authorization: Bearer <PREFIXGATE_METRICS_TOKEN or the admin token>'",
+            code="invalid_metrics_token",
+        )
     metrics, writer = request.app[METRICS], request.app[USAGE_WRITER]
     metrics.spool_depth.set(writer.spool_depth())
     metrics.usage_pending.set(writer.pending)
@@ -201,10 +215,20 @@ def create_app(config: GatewayConfig) -> web.Application:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
     if not config.namespace_salt:
         raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(
+        middlewares=[error_middleware, read_body_middleware(config.read_timeout_s, config.max_body_bytes)],
+        client_max_size=config.max_body_bytes,
+    )
+    app[STARTED] = weakref.WeakSet()
     app[CONFIG] = config
     app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
-    app[METRICS] = GatewayMetrics()
+    if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
+        raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")
+    salt = config.salt_bytes
+    hashed = config.metrics_tenant_labels == "hash"
+    app[METRICS] = GatewayMetrics(
+        tenant_label=(lambda tenant_id: tenant_namespace_id(salt, tenant_id)) if hashed else None
+    )
     app[CANONICALIZER] = CanonicalizationStep()
     app[DRAIN] = Drain(grace_s=config.shutdown_grace_s)
     app.on_shutdown.append(on_shutdown(app[DRAIN]))

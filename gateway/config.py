@@ -32,6 +32,8 @@ class GatewayConfig:
     max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
     cpu_threads: int = 4  # threads for render, canonicalize, tokenize, hash (off the event loop)
     cpu_queue_max: int = 64  # requests waiting for those threads; more get 503 at once
+    header_timeout_s: float = 10.0  # a connection's first request head must be complete by then
+    read_timeout_s: float = 30.0  # a request body must have arrived by then (408)
     default_max_tokens: int = 512  # when a request gives none (capped by the context window)
     policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
     usage_flush_s: float = 0.5
@@ -53,10 +55,13 @@ class GatewayConfig:
     price_output_per_mtok: float = 2.0
     promotion_min_hits: int = 1000  # hot-prefix promotion: hits per hour (PREFIXGATE_PROMOTION_MIN_HITS)
     promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 2 if set lower)
-    promotion_store_text: bool = True  # keep a promoted prefix's text for admins (GET …/hot-prefixes/{id})
+    promotion_store_text: bool = False  # keep a promoted prefix's text for admins (off: hashes only)
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
     ratelimit_pause_s: float = 5.0  # Redis rate limits pause (local limits) this long after an error
     purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
+    worker_secret: str | None = field(default=None, repr=False)  # bearer for the workers' API (worker.auth)
+    metrics_token: str | None = field(default=None, repr=False)  # bearer for /metrics (None: admin token)
+    metrics_tenant_labels: str = "id"  # "id" or "hash" (the tenant's opaque namespace id)
     log_level: str = "INFO"
 
     @property

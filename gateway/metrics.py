@@ -1,6 +1,13 @@
-"""Prometheus metrics on a per-app registry (no global registry state)."""
+"""Prometheus metrics on a per-app registry (no global registry state).
+
+Per-tenant series are labelled with the tenant id, or with an opaque keyed hash of it
+(``tenant_labels="hash"``: the tenant's namespace id, which only admins can map back). The endpoint
+itself needs a bearer token (``gateway.app``): the counters are live per-tenant prompt lengths.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -9,8 +16,12 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 OVERHEAD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+TENANT_LABEL_MODES = ("id", "hash")
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, tenant_label: Callable[[str], str] | None = None) -> None:
+        self.tenant_label: Callable[[str], str] = tenant_label or (lambda tenant_id: tenant_id)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

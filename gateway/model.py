@@ -110,6 +110,15 @@ class ModelRuntime:
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._template = compile_chat_template(info.chat_template) if info.chat_template else None
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
+        # Texts the tokenizer turns into single added (control) tokens, longest first.
+        self.added_token_texts: tuple[str, ...] = tuple(
+            sorted(
+                {t.content for t in self._tokenizer.get_added_tokens_decoder().values()},
+                key=len,
+                reverse=True,
+            )
+        )
+        self._literal_tokenizer: Tokenizer | None = None  # built on first use
         self._max_token_chars: int | None = None
 
     @property
@@ -157,6 +166,14 @@ class ModelRuntime:
         """The tokenizer's full answer for a rendered chat prompt: ``.ids`` as ``encode_chat``, and the
         character ``.offsets`` that hot-prefix promotion reads (only for tenants that opted in)."""
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_literal(self, text: str) -> Encoding:
+        """``text`` tokenized as plain text: special-token text becomes ordinary tokens, never control
+        tokens (tenant message content; ``gateway.special_tokens``)."""
+        if self._literal_tokenizer is None:
+            self._literal_tokenizer = Tokenizer.from_str(self.info.tokenizer_json)
+            self._literal_tokenizer.encode_special_tokens = True
+        return self._literal_tokenizer.encode(text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the BOS token when the model wants one."""

@@ -41,9 +41,16 @@ CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved o
 
 
 def bearer_token(request: web.Request) -> str | None:
+    """The bearer token, or None when absent. Keys and tokens are printable ASCII: anything else
+    (bytes that are not UTF-8 arrive as surrogates) is refused here, before any hashing sees it."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    if not (token.isascii() and token.isprintable()):
+        raise AuthenticationError("malformed Authorization header: the token must be printable ASCII")
+    return token
 
 
 def authenticate(request: web.Request) -> TenantPolicy:
@@ -146,7 +153,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
     event = usage_event(call, tenant_prices(call.tenant, request.config_dict[CONFIG]))
     request.config_dict[USAGE_WRITER].submit(event)
     by_tier = event.cached_tokens_by_tier
-    metrics, tenant = request.config_dict[METRICS], call.tenant.tenant_id
+    metrics = request.config_dict[METRICS]
+    tenant = metrics.tenant_label(call.tenant.tenant_id)
     metrics.requests.labels(tenant, call.endpoint, str(call.status)).inc()
     metrics.latency.labels(call.endpoint).observe(elapsed_s)
     metrics.prompt_tokens.labels(tenant).inc(event.prompt_tokens)
@@ -156,6 +164,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         metrics.cached_tokens.labels(tenant, tier).inc(count)
     if call.prepared is not None:
         _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
+        if call.status == 200 and call.usage is not None:  # served: only now may it count for promotion
+            request.config_dict[PIPELINE].served(call.prepared)
 
 
 Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]

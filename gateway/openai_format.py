@@ -40,7 +40,7 @@ def usage_json(prepared: PreparedRequest, usage: dict[str, Any]) -> dict[str, An
         "prefixgate": {
             "cached_tokens_by_tier": {tier: int(by_source.get(tier, 0)) for tier in TIERS},
             "near_miss_tokens": 0,
-            "promoted_prefix_tokens": prepared.promoted_prefix_tokens,
+            "promoted_prefix_tokens": prepared.promotion.reported_prefix_tokens,
             "isolation": prepared.tenant.isolation,
             **extra,
         },

@@ -3,6 +3,7 @@
     parse → prompt-size check → prompt steps (canonicalization) → render chat template → tokenize
           → context-window check → promoted-prefix length (hot-prefix promotion) → namespace segments
           → route → worker payload → generate (non-stream or stream, cancelled when the client goes away)
+          → served: counted towards hot-prefix promotion
 
 The prompt-size check runs before any rendering; rendering, canonicalization and tokenizing run on
 the bounded ``CpuPool``, off the event loop. A request that a worker did not take (unreachable, or
@@ -31,11 +32,13 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound,
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
+from gateway.special_tokens import chat_encoding
 from gateway.upstream import WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
 from policies.chat_text import iter_texts
 from policies.hashing import NamespaceSegment, block_hashes
 from policies.isolation import namespace_segments
+from policies.promotion import BoundaryPrefix
 from tenancy.policy import TenantPolicy
 
 log = logging.getLogger(__name__)
@@ -70,25 +73,43 @@ class RenderedPrompt:
     num_reported: int = 0
 
 
-class PromotionLookup(Protocol):
-    """Length in tokens (block-aligned) of a promoted global prefix of this prompt.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromotionMatch:
+    """What hot-prefix promotion makes of one request."""
 
-    Gets the rendered prompt so it can find message boundaries (``policies.chat_text``) and the
-    boundary prefixes' global-form hashes (``policies.promotion.boundary_prefixes``); it may count the
-    request towards promotions on the way (async: the counters may live in Redis).
+    promoted_prefix_tokens: int = 0  # block-aligned head hashed in the promoted namespace
+    reported_prefix_tokens: int = 0  # what the tenant is told: 0 unless it helped promote that prefix
+    prefixes: tuple[BoundaryPrefix, ...] = ()  # the request's boundary prefixes, counted once served
+
+
+class PromotionLookup(Protocol):
+    """Hot-prefix promotion as the pipeline sees it.
+
+    ``match`` gets the rendered prompt so it can find message boundaries (``policies.chat_text``) and
+    the boundary prefixes' hashes (``policies.promotion.boundary_prefixes``); it only reads. ``served``
+    counts a request once the worker has served it (never before: a refused request must not count).
     """
 
-    async def promoted_prefix_tokens(
+    async def match(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
-    ) -> int: ...
+    ) -> PromotionMatch: ...
+
+    def served(
+        self, tenant: TenantPolicy, model: ModelRuntime, match: PromotionMatch, token_ids: Sequence[int]
+    ) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoPromotion:
-    async def promoted_prefix_tokens(
+    async def match(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
-    ) -> int:
-        return 0
+    ) -> PromotionMatch:
+        return PromotionMatch()
+
+    def served(
+        self, tenant: TenantPolicy, model: ModelRuntime, match: PromotionMatch, token_ids: Sequence[int]
+    ) -> None:
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,7 +126,8 @@ class PreparedRequest:
     worker_url: str
     num_canonicalized: int = 0  # fragments moved (the x-prefixgate-canonicalized header)
     num_reported: int = 0  # fragments found and left in place ("report" mode)
-    promoted_prefix_tokens: int = 0  # tokens hashed in the global namespace as a promoted hot prefix
+    promoted_prefix_tokens: int = 0  # tokens hashed in the promoted namespace as a promoted hot prefix
+    promotion: PromotionMatch = PromotionMatch()  # reported tokens, and what to count once served
 
     def worker_payload(self) -> dict[str, Any]:
         s = self.sampling
@@ -227,7 +249,7 @@ class RequestPipeline:
                 text = model.render_chat(request.messages, request.tools)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
-            encoding = model.tokenize_chat(text)
+            encoding = chat_encoding(model, request.messages, request.tools, text)
             token_ids = encoding.ids
         elif isinstance(request.prompt, str):
             text = request.prompt
@@ -322,7 +344,8 @@ class RequestPipeline:
         prompt: RenderedPrompt = await self.run_cpu(self.render, tenant, request, model)
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
-        promoted = await self._promotion.promoted_prefix_tokens(tenant, model, prompt)
+        promotion = await self._promotion.match(tenant, model, prompt)
+        promoted = promotion.promoted_prefix_tokens
         segments = self.segments(tenant, promoted_prefix_tokens=promoted)
         worker_url = self.route(model, token_ids, segments, request.prompt_cache_key)
         return PreparedRequest(
@@ -339,7 +362,12 @@ class RequestPipeline:
             num_canonicalized=prompt.num_moved,
             num_reported=prompt.num_reported,
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
+            promotion=promotion,
         )
+
+    def served(self, prepared: PreparedRequest) -> None:
+        """The worker served ``prepared``: count it towards hot-prefix promotion (in the background)."""
+        self._promotion.served(prepared.tenant, prepared.model, prepared.promotion, prepared.prompt_token_ids)
 
     def _abort_later(self, prepared: PreparedRequest) -> None:
         """Tell the worker to drop a request whose client went away (closing the connection also does)."""

@@ -6,16 +6,18 @@ with ``share_hot_prefixes`` and not ``dedicated``), ``HotPrefixPromotion``:
 1. finds the message-boundary prefixes of the (canonicalized) prompt: one marked render of the chat
    template locates the boundaries, the tokenizer's offsets turn them into token offsets, and
    ``boundary_prefixes`` hashes them in the global form;
-2. records one hit per prefix in the ``PromotionCounter`` (memory, or Redis shared by replicas) and
-   promotes those that now pass the thresholds (``observe``). A promotion is in force on this replica
-   at once and is written to SQL in the background (retried until it lands); the policy reload brings
-   it to every other replica;
-3. answers the length of the longest promoted prefix, which the pipeline hashes in the global
-   namespace (``namespace_segments(promoted_prefix_tokens=…)``).
+2. answers the length of the longest promoted prefix (``match``), which the pipeline hashes in the
+   promoted namespace (``namespace_segments(promoted_prefix_tokens=…)``), and what the tenant is told
+   of it: nothing unless it was one of the tenants counted for that prefix when it was promoted;
+3. once the worker has served the request (``served``), records one hit per prefix in the
+   ``PromotionCounter`` (memory, or Redis shared by replicas) and promotes those that now pass the
+   thresholds (``observe``). A promotion is in force on this replica at once and is written to SQL in
+   the background (retried until it lands); the policy reload brings it to every other replica.
 
-The request that triggers a promotion is already served with it, so the global copy of the prefix's
-KV exists from then on and the next opted-in tenant reuses it. A counter failure (Redis down) pauses
-counting for ``pause_s``: promotions already in force keep working and requests are unaffected.
+The request that completes the count is not served with the promotion and learns nothing of it;
+the next opted-in tenant's request creates the promoted copy of the prefix's KV. A counter failure
+(Redis down) pauses counting for ``pause_s``: promotions already in force keep working and
+requests are unaffected.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime, TemplateError
-from gateway.pipeline import RenderedPrompt
+from gateway.pipeline import PromotionMatch, RenderedPrompt
 from gateway.schemas import ChatRequest
 from policies.chat_text import (
     char_to_token_offsets,
@@ -47,7 +49,6 @@ from policies.promotion import (
     TenantTag,
     boundary_prefixes,
     hot_prefix_access,
-    longest_promoted_prefix,
     observe,
 )
 from tenancy.cache import PolicyCache
@@ -108,7 +109,7 @@ class HotPrefixPromotion:
         repository: HotPrefixRepository,
         salt: bytes,
         metrics: GatewayMetrics,
-        store_text: bool = True,
+        store_text: bool = False,
         pause_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -124,6 +125,9 @@ class HotPrefixPromotion:
         self._paused_until = 0.0  # time.monotonic()
         self._pending: dict[PrefixHash, PromotedPrefix] = {}  # promoted here, not yet in the snapshot
         self._tasks: set[asyncio.Task] = set()
+        # Tenants counted for a prefix when this replica promoted it: the only ones told about it
+        # (elsewhere, and after a restart, nobody is told; the promotion works all the same).
+        self._contributors: dict[PrefixHash, frozenset[TenantTag]] = {}
 
     @property
     def paused(self) -> bool:
@@ -144,30 +148,51 @@ class HotPrefixPromotion:
             for prefix_hash in [h for h in self._pending if h in known]:
                 del self._pending[prefix_hash]
 
-    async def promoted_prefix_tokens(
+    async def match(
         self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
-    ) -> int:
+    ) -> PromotionMatch:
         if not hot_prefix_access(tenant.isolation, tenant.share_hot_prefixes):
-            return 0
+            return PromotionMatch()
         prefixes = prompt_boundary_prefixes(model, prompt)
         if not prefixes:
-            return 0
-        if not self.paused:
-            await self._observe(tenant, model, prompt, prefixes)
-        return longest_promoted_prefix(prefixes, self.promoted)
+            return PromotionMatch()
+        promoted = self.promoted
+        longest = max(
+            (p for p in prefixes if p.prefix_hash in promoted), key=lambda p: p.num_tokens, default=None
+        )
+        if longest is None:
+            return PromotionMatch(prefixes=tuple(prefixes))
+        told = self._tag(tenant) in self._contributors.get(longest.prefix_hash, ())
+        return PromotionMatch(
+            promoted_prefix_tokens=longest.num_tokens,
+            reported_prefix_tokens=longest.num_tokens if told else 0,
+            prefixes=tuple(prefixes),
+        )
+
+    def served(
+        self, tenant: TenantPolicy, model: ModelRuntime, match: PromotionMatch, token_ids: Sequence[int]
+    ) -> None:
+        """Count a served request (in the background: the answer is already on its way)."""
+        if not match.prefixes or self.paused:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._observe(self._tag(tenant), model, list(match.prefixes), list(token_ids))
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _tag(self, tenant: TenantPolicy) -> TenantTag:
+        return TenantTag(tenant_namespace_id(self._salt, tenant.tenant_id))  # opaque, never the tenant id
 
     async def _observe(
-        self,
-        tenant: TenantPolicy,
-        model: ModelRuntime,
-        prompt: RenderedPrompt,
-        prefixes: list[BoundaryPrefix],
+        self, tag: TenantTag, model: ModelRuntime, prefixes: list[BoundaryPrefix], token_ids: list[int]
     ) -> None:
-        tag = TenantTag(tenant_namespace_id(self._salt, tenant.tenant_id))  # opaque, never the tenant id
         known = _Either(self._cache.known_hashes, self._pending)
+        now = self._clock()
         try:
-            promotions = await observe(self.counter, self.policy, prefixes, tag, self._clock(), known=known)
-        except Exception as exc:  # Redis down or slow: promotion pauses, the request goes on
+            promotions = await observe(self.counter, self.policy, prefixes, tag, now, known=known)
+            contributors = [await self.counter.contributors(p.prefix_hash, now) for p in promotions]
+        except Exception as exc:  # Redis down or slow: promotion pauses, requests go on
             self._metrics.promotion_errors.inc()
             if not self.paused:
                 log.warning(
@@ -175,10 +200,11 @@ class HotPrefixPromotion:
                 )
             self._paused_until = time.monotonic() + self._pause_s
             return
-        for promotion in promotions:
-            self._promote(promotion, model, prompt)
+        for promotion, tags in zip(promotions, contributors, strict=True):
+            self._contributors[promotion.prefix_hash] = tags
+            self._promote(promotion, model, token_ids)
 
-    def _promote(self, promotion: PromotedPrefix, model: ModelRuntime, prompt: RenderedPrompt) -> None:
+    def _promote(self, promotion: PromotedPrefix, model: ModelRuntime, token_ids: list[int]) -> None:
         self._pending[promotion.prefix_hash] = promotion
         self._metrics.promotions.inc()
         log.info(
@@ -188,7 +214,7 @@ class HotPrefixPromotion:
             promotion.hits_per_hour,
             promotion.num_tenants,
         )
-        text = model.decode(prompt.token_ids[: promotion.num_tokens]) if self._store_text else None
+        text = model.decode(token_ids[: promotion.num_tokens]) if self._store_text else None
         task = asyncio.get_running_loop().create_task(self._persist(promotion, model.model_id, text))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -210,6 +236,7 @@ class HotPrefixPromotion:
     async def forget(self, prefix_hash: PrefixHash) -> None:
         """Drop a revoked prefix's counts (best effort: it stays known, so it is never re-promoted)."""
         self._pending.pop(prefix_hash, None)
+        self._contributors.pop(prefix_hash, None)
         try:
             await self.counter.forget(prefix_hash)
         except Exception as exc:

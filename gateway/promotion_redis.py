@@ -4,7 +4,8 @@ Same semantics as ``policies.promotion.SlidingWindowCounter``: a one-hour window
 buckets and at most ``max_tenants`` tenant tags per prefix (the least recently seen goes first).
 Per prefix, two keys:
 
-- ``<prefix>:<digest>:h``, a hash of bucket index → hits (``HINCRBY``);
+- ``<prefix>:<digest>:h``, a hash of ``<tenant tag>|<bucket index>`` → hits (``HINCRBY``), so each
+  tenant's hits can be capped at its share (``max_hits_per_tenant_per_hour``);
 - ``<prefix>:<digest>:t``, a sorted set of tenant tag → last bucket seen.
 
 One Lua script per request does everything for all of the request's prefixes atomically: drop the
@@ -23,7 +24,14 @@ from collections.abc import Sequence
 
 import blake3
 
-from policies.promotion import HOUR_S, MIN_TENANTS_FLOOR, PrefixHash, PrefixStats, TenantTag
+from policies.promotion import (
+    HOUR_S,
+    MIN_TENANTS_FLOOR,
+    PrefixHash,
+    PrefixStats,
+    TenantTag,
+    hits_cap,
+)
 
 _SCRIPT = """
 local bucket = tonumber(ARGV[1])
@@ -31,31 +39,46 @@ local oldest = bucket - tonumber(ARGV[2])
 local ttl_s = tonumber(ARGV[3])
 local max_tenants = tonumber(ARGV[4])
 local tag = ARGV[5]
+local cap = tonumber(ARGV[6])
 local out = {}
 for i = 1, #KEYS, 2 do
   local hits_key, tenants_key = KEYS[i], KEYS[i + 1]
+  redis.call('ZREMRANGEBYSCORE', tenants_key, '-inf', oldest)
   local fields = redis.call('HGETALL', hits_key)
-  local hits = 0
+  local per = {}
   for j = 1, #fields, 2 do
-    if tonumber(fields[j]) <= oldest then
+    local who, b = string.match(fields[j], '^(.*)|(%d+)$')
+    if tonumber(b) <= oldest then
       redis.call('HDEL', hits_key, fields[j])
     else
-      hits = hits + tonumber(fields[j + 1])
+      per[who] = (per[who] or 0) + tonumber(fields[j + 1])
     end
   end
-  redis.call('ZREMRANGEBYSCORE', tenants_key, '-inf', oldest)
   if tag ~= '' then
-    redis.call('HINCRBY', hits_key, bucket, 1)
-    hits = hits + 1
+    redis.call('HINCRBY', hits_key, tag .. '|' .. bucket, 1)
+    per[tag] = (per[tag] or 0) + 1
     local seen = redis.call('ZSCORE', tenants_key, tag)
     if not seen and redis.call('ZCARD', tenants_key) >= max_tenants then
-      redis.call('ZPOPMIN', tenants_key)
+      local gone = redis.call('ZPOPMIN', tenants_key)[1]
+      per[gone] = nil
+      for j = 1, #fields, 2 do
+        if string.match(fields[j], '^(.*)|%d+$') == gone then
+          redis.call('HDEL', hits_key, fields[j])
+        end
+      end
     end
     if not seen or tonumber(seen) < bucket then
       redis.call('ZADD', tenants_key, bucket, tag)
     end
     redis.call('EXPIRE', hits_key, ttl_s)
     redis.call('EXPIRE', tenants_key, ttl_s)
+  end
+  local hits = 0
+  for who, n in pairs(per) do
+    if redis.call('ZSCORE', tenants_key, who) then
+      if cap > 0 and n > cap then n = cap end
+      hits = hits + n
+    end
   end
   out[#out + 1] = hits
   out[#out + 1] = redis.call('ZCARD', tenants_key)
@@ -98,11 +121,14 @@ class RedisPromotionCounter:
         digest = blake3.blake3(prefix_hash.encode(), key=self._key).hexdigest()[:32]
         return f"{self._prefix}:{digest}:h", f"{self._prefix}:{digest}:t"
 
-    async def _run(self, prefix_hashes: Sequence[PrefixHash], tag: str, now: float) -> list[PrefixStats]:
+    async def _run(
+        self, prefix_hashes: Sequence[PrefixHash], tag: str, now: float, cap: int | None = None
+    ) -> list[PrefixStats]:
         if not prefix_hashes:
             return []
         keys = [key for prefix_hash in prefix_hashes for key in self.keys(prefix_hash)]
-        args = [int(now // self.bucket_s), self.num_buckets, int(self.window_s) + 1, self.max_tenants, tag]
+        bucket = int(now // self.bucket_s)
+        args = [bucket, self.num_buckets, int(self.window_s) + 1, self.max_tenants, tag, cap or 0]
         counts = await self._script(keys=keys, args=args)
         window_s = self.num_buckets * self.bucket_s
         return [
@@ -113,11 +139,22 @@ class RedisPromotionCounter:
         ]
 
     async def record(
-        self, prefix_hashes: Sequence[PrefixHash], tenant_tag: TenantTag, now: float
+        self,
+        prefix_hashes: Sequence[PrefixHash],
+        tenant_tag: TenantTag,
+        now: float,
+        *,
+        max_hits_per_tenant_per_hour: float | None = None,
     ) -> list[PrefixStats]:
-        if not tenant_tag:
-            raise ValueError("tenant_tag must be non-empty")
-        return await self._run(prefix_hashes, tenant_tag, now)
+        if not tenant_tag or "|" in tenant_tag:
+            raise ValueError("tenant_tag must be non-empty and free of '|'")
+        cap = hits_cap(max_hits_per_tenant_per_hour, self.num_buckets * self.bucket_s)
+        return await self._run(prefix_hashes, tenant_tag, now, cap)
+
+    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+        oldest = int(now // self.bucket_s) - self.num_buckets
+        tags = await self._redis.zrangebyscore(self.keys(prefix_hash)[1], f"({oldest}", "+inf")
+        return frozenset(TenantTag(t.decode() if isinstance(t, bytes) else t) for t in tags)
 
     async def stats(self, prefix_hashes: Sequence[PrefixHash], now: float) -> list[PrefixStats]:
         return await self._run(prefix_hashes, "", now)

@@ -16,6 +16,7 @@ from gateway.errors import InvalidRequest
 
 MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (tool schemas included)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +60,26 @@ async def read_json(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    if _too_deep(data, MAX_JSON_DEPTH):
+        raise InvalidRequest(
+            f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
+        )
     return data
+
+
+def _too_deep(data: Any, max_depth: int) -> bool:
+    """Whether ``data`` nests objects/arrays deeper than ``max_depth`` (iterative: no recursion limit
+    to hit; checked before any field is read, so templates and hashing never see such input)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= max_depth:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _type_error(name: str, expected: str) -> InvalidRequest:
@@ -171,6 +191,8 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise _type_error(f"messages[{index}]", "an object")
     role = raw.get("role")
+    if role is not None and not isinstance(role, str):
+        raise _type_error(f"messages[{index}].role", "a string")
     if role is None:
         raise InvalidRequest(
             f"messages[{index}].role is required",

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, prepare_data_dir
+from gateway.slow_clients import start_site
 from gateway.state import POLICY_CACHE, REPOSITORY, WORKER_POOL
 from gateway.supervisor import DataDirInUse, DataDirLock, WorkerSupervisor
 
@@ -32,19 +33,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def _serve(app: web.Application, config: GatewayConfig) -> web.AppRunner:
+class _Serving:
+    """The gateway's runner and its listening server (closed together)."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.AbstractServer) -> None:
+        self.runner = runner
+        self.server = server
+
+    async def cleanup(self) -> None:
+        self.server.close()
+        await self.runner.cleanup()
+
+
+async def _serve(app: web.Application, config: GatewayConfig) -> _Serving:
     # shutdown_timeout: aiohttp waits this long for requests in flight, then cancels them (and waits as
     # long again for them to end: they end at once). Default 60 s, longer than a container allows.
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=75.0,
+        shutdown_timeout=config.shutdown_grace_s,
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        server = await start_site(runner, config.host, config.port, config.header_timeout_s)
     except OSError:
         await runner.cleanup()  # the port is taken: close the database and background tasks again
         raise
-    return runner
+    return _Serving(runner, server)
 
 
 def _stop_event() -> asyncio.Event:
@@ -76,7 +93,16 @@ def run_gateway(config: GatewayConfig) -> int:
     return 0
 
 
-def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_token_from_env: bool) -> str:
+def _banner(
+    config: GatewayConfig,
+    model_id: str,
+    api_key: str | None,
+    admin_token_from_env: bool,
+    *,
+    admin_token_created: bool = False,
+) -> str:
+    """What ``prefixgate up`` prints once ready. The admin token is shown only when this start generated
+    it (terminal scrollback and logs keep what is printed on every start)."""
     base = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
     key = api_key or "$PREFIXGATE_API_KEY"
     lines = ["", f"prefixgate is up: {base}/v1  (model {model_id!r}, data in {config.data_dir.resolve()})"]
@@ -84,8 +110,10 @@ def _banner(config: GatewayConfig, model_id: str, api_key: str | None, admin_tok
         lines.append(f"  demo tenant API key (shown once): {api_key}")
     else:
         lines.append("  demo tenant exists; get a fresh key with: prefixgate tenant rotate-key demo")
-    if not admin_token_from_env:
+    if not admin_token_from_env and admin_token_created:
         lines.append(f"  admin token (stored in {config.data_dir / 'admin_token'}): {config.admin_token}")
+    elif not admin_token_from_env:
+        lines.append(f"  admin token: in {config.data_dir / 'admin_token'} (shown only when it was created)")
     lines += [
         "",
         "Try it with curl:",
@@ -135,6 +163,7 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
 
     _setup_logging(config.log_level)
     admin_token_from_env = bool(config.admin_token)
+    admin_token_created = not admin_token_from_env and not (config.data_dir / "admin_token").exists()
     config = prepare_data_dir(config)
     lock = DataDirLock(config.data_dir)
     try:
@@ -149,12 +178,14 @@ def run_up(config: GatewayConfig, *, model: str = "builtin", worker_port: int | 
         upgrade_database(config.resolved_database_url)
         worker_port = worker_port or free_port()
         config = dataclasses.replace(config, worker_urls=(f"http://127.0.0.1:{worker_port}",))
-        return asyncio.run(_up(config, model, worker_port, admin_token_from_env))
+        return asyncio.run(_up(config, model, worker_port, admin_token_from_env, admin_token_created))
     finally:
         lock.release()
 
 
-async def _up(config: GatewayConfig, model: str, worker_port: int, admin_token_from_env: bool) -> int:
+async def _up(
+    config: GatewayConfig, model: str, worker_port: int, admin_token_from_env: bool, admin_token_created: bool
+) -> int:
     stop = _stop_event()
     app = create_app(config)
     try:
@@ -186,7 +217,10 @@ async def _up(config: GatewayConfig, model: str, worker_port: int, admin_token_f
             _, new_key = await repo.create_tenant({"name": "demo", "canonicalization": "on"})
             api_key = new_key.api_key
             await app[POLICY_CACHE].reload()
-        print(_banner(config, model_id, api_key, admin_token_from_env), flush=True)
+        banner = _banner(
+            config, model_id, api_key, admin_token_from_env, admin_token_created=admin_token_created
+        )
+        print(banner, flush=True)
         await worker.supervise(stop)  # until SIGINT/SIGTERM, restarting the worker when it dies
         return 0
     finally:

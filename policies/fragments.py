@@ -3,8 +3,10 @@
 A *fragment* is a short, single-line value that changes from request to request (a timestamp, a
 UUID, a request id …) and so breaks prefix reuse wherever it sits. Rules are plain data in a registry
 (``BUILTIN_RULES``); tenants add their own regular expressions, validated by
-``compile_tenant_rules`` (``policies.pattern_safety``) so that a tenant pattern can neither fail at
-request time nor take the gateway's event loop hostage with catastrophic backtracking.
+``compile_tenant_rules`` so that a tenant pattern can neither fail at request time nor take the
+gateway's event loop hostage: tenant patterns run on RE2 (``google-re2``, linear time, no lookarounds or
+back-references), after the static checks of ``policies.pattern_safety``. Scanning is linear in the
+text too: ``stable_fragments`` re-scans at most ``MAX_RESCAN_ROUNDS`` times.
 
 False positives are kept down on purpose: dates need a four-digit year in 1900–2099 and valid
 month/day numbers; version numbers (``3.11.7``, calendar versions ``2024.1.15``) are never dates;
@@ -23,6 +25,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import re2
+
 from policies.pattern_safety import MAX_MATCH_CHARS, check_pattern_safety
 
 MAX_FRAGMENT_CHARS = MAX_MATCH_CHARS  # a fragment is a short value; longer matches are ignored
@@ -36,6 +40,10 @@ _MASK = "[[0]]"  # stands for any placeholder while matching is repeated
 _RESCAN_MARGIN = 1536  # text re-scanned on each side of a new placeholder (≥ 2 matches + lookarounds)
 _RESCAN_GUARD = 512  # matches this close to a re-scan window's cut are not trusted
 _LABEL_CONTEXT = 48  # characters before a value searched for its ``preceded_by`` label
+# Re-scan rounds after masking: real prompts need one or two. A chain where each placeholder enables
+# the next match ((?<!b)ab over "abab…") needs one round per fragment, each O(text): quadratic. Past the
+# cap, the remaining chain stays in place (it only costs that tenant some reuse of its own prompt).
+MAX_RESCAN_ROUNDS = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,7 +58,7 @@ class FragmentRule:
 
     name: str
     kind: str  # what the value is: timestamp, date, time, epoch, uuid, trace_id, hex_id, request_id, tenant
-    pattern: re.Pattern[str]
+    pattern: re.Pattern[str] | re2._Regexp  # built-ins use re, tenant patterns RE2
     preceded_by: re.Pattern[str] | None = None
     accept: Callable[[str], bool] | None = None
 
@@ -208,7 +216,7 @@ def find_fragments(text: str, rules: Iterable[FragmentRule]) -> list[FragmentSpa
     for order, rule in enumerate(rules):
         has_value_group = "v" in rule.pattern.groupindex
         for match in rule.pattern.finditer(text):
-            start, end = match.span("v") if has_value_group else match.span()
+            start, end = match.span(rule.pattern.groupindex["v"]) if has_value_group else match.span()
             value = text[start:end]
             if not value or len(value) > MAX_FRAGMENT_CHARS or "\n" in value or "\r" in value:
                 continue
@@ -238,11 +246,14 @@ def stable_fragments(text: str, rules: Sequence[FragmentRule]) -> list[FragmentS
     a match hidden behind an overlapping one may appear), so matching is repeated on the masked text
     until nothing new is found; this is what makes canonicalization idempotent. A new match can only
     appear near a new placeholder, so only windows around those are re-scanned. Each round adds at
-    least one disjoint span, so it terminates.
+    least one disjoint span; after ``MAX_RESCAN_ROUNDS`` rounds it stops, which keeps it linear in the
+    text on adversarial input (where the result may then not be idempotent).
     """
     spans = find_fragments(text, rules)
     new = spans
-    while new:
+    for _ in range(MAX_RESCAN_ROUNDS):
+        if not new:
+            break
         masked, masks = _mask(text, spans)
         fresh = {(s.start, s.end) for s in new}
         windows = _merge(
@@ -298,6 +309,13 @@ def _merge(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def _re2_options() -> re2.Options:
+    options = re2.Options()
+    options.log_errors = False  # a bad tenant pattern is a 400, not a line on stderr
+    options.max_mem = 8 << 20  # per compiled pattern
+    return options
+
+
 def compile_tenant_rules(patterns: Mapping[str, str]) -> tuple[FragmentRule, ...]:
     """Validate and compile a tenant's extra fragment patterns (name → regular expression).
 
@@ -317,9 +335,14 @@ def compile_tenant_rules(patterns: Mapping[str, str]) -> tuple[FragmentRule, ...
         if not isinstance(source, str) or len(source) > MAX_TENANT_PATTERN_CHARS:
             raise ValueError(f"pattern {name!r} must be a string of at most {MAX_TENANT_PATTERN_CHARS} chars")
         try:
-            compiled = re.compile(source)
-        except re.error as exc:
-            raise ValueError(f"pattern {name!r} does not compile: {exc}") from None
+            re.compile(source)  # the static checks below read Python's parse of it
+            compiled = re2.compile(source, _re2_options())
+        except (re.error, re2.error) as exc:
+            message = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+            raise ValueError(
+                f"pattern {name!r} does not compile for the linear-time engine (RE2: no lookarounds, "
+                f"no back-references): {message}"
+            ) from None
         problem = check_pattern_safety(source)
         if problem:
             raise ValueError(f"pattern {name!r} rejected: {problem}")

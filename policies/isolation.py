@@ -17,6 +17,10 @@ from policies.hashing import NamespaceKey, NamespaceSegment
 
 GLOBAL_NAMESPACE_ID = "global"
 GLOBAL_NAMESPACE_KEY = NamespaceKey(blake3.blake3(b"prefixgate/global-namespace").digest())
+# Promoted hot prefixes have a pool of their own: `shared` tenants that did not opt in never reach them
+# (had they lived in the global pool, every shared tenant would have read them).
+PROMOTED_NAMESPACE_ID = "promoted"
+PROMOTED_NAMESPACE_KEY = NamespaceKey(blake3.blake3(b"prefixgate/promoted-hot-prefixes").digest())
 
 
 def _salt_key(salt: bytes) -> bytes:
@@ -76,21 +80,24 @@ def namespace_segments(
         salt: the deployment's secret salt.
         tenant_id, epoch: the authenticated tenant and its current epoch.
         reserved_blocks: the tenant's quota per tier when its level reserves capacity.
-        promoted_prefix_tokens: length of a promoted hot prefix (block-aligned) to hash in the global
-            namespace; ignored for levels that may not share hot prefixes.
+        promoted_prefix_tokens: length of a promoted hot prefix (block-aligned) to hash in the
+            promoted namespace; ignored for levels that may not share hot prefixes. Pass it only for
+            tenants that opted in (``promotion.hot_prefix_access``).
     """
     isolation = ISOLATION_LEVELS[level]
-    global_segment = NamespaceSegment(
-        start_token=0, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY
-    )
+    start = promoted_prefix_tokens if isolation.may_share_hot_prefixes else 0
     if isolation.uses_global_namespace:
-        return [global_segment]
-    own = NamespaceSegment(
-        start_token=promoted_prefix_tokens if isolation.may_share_hot_prefixes else 0,
-        namespace_id=tenant_namespace_id(salt, tenant_id),
-        key=tenant_namespace_key(salt, tenant_id, epoch),
-        reserved_blocks=reserved_blocks if isolation.reserved_capacity else 0,
-    )
-    if own.start_token > 0:
-        return [global_segment, own]
+        own = NamespaceSegment(start_token=start, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY)
+    else:
+        own = NamespaceSegment(
+            start_token=start,
+            namespace_id=tenant_namespace_id(salt, tenant_id),
+            key=tenant_namespace_key(salt, tenant_id, epoch),
+            reserved_blocks=reserved_blocks if isolation.reserved_capacity else 0,
+        )
+    if start > 0:
+        promoted = NamespaceSegment(
+            start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY
+        )
+        return [promoted, own]
     return [own]

@@ -2,12 +2,13 @@
 
 A *boundary prefix* is the prompt up to a message boundary (end of the system prompt, of the tools,
 of each document message before the last user turn), floored to whole KV blocks and identified by
-its *global-form hash*: the chained block hash (``policies.hashing``) it would have in the global
-namespace. Hits are counted per hash in a sliding one-hour window, together with the distinct tenants
-that sent it. A prefix is promoted when it has at least ``min_hits_per_hour`` hits **and** at least
-``min_tenants`` distinct tenants (never fewer than 2). Promoted, it is hashed in the global namespace
-for every opted-in tenant (``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share
-one copy of its KV cache.
+its *global-form hash*: the chained block hash (``policies.hashing``) it would have in the promoted
+namespace (``isolation.PROMOTED_NAMESPACE_KEY``). Hits are counted per hash in a sliding one-hour
+window, together with the distinct tenants that sent it. A prefix is promoted when it has at least
+``min_hits_per_hour`` hits **and** at least ``min_tenants`` distinct tenants (never fewer than 3),
+each tenant's hits counting only up to ``min_hits_per_hour / min_tenants``. Promoted, it is hashed in
+the promoted namespace for every opted-in tenant
+(``isolation.namespace_segments(promoted_prefix_tokens=…)``), so they share one copy of its KV cache.
 
 Privacy. A tenant's private prompt is seen from one tenant only, so it can never be promoted however
 often it is sent; and a tenant cannot learn by timing whether another tenant sent some text unless
@@ -16,7 +17,10 @@ that text is already common to ``min_tenants`` tenants. Counters hold only opaqu
 tenant list), and keep at most ``max_tenants`` tags per prefix. Tenants who have not opted in
 (``share_hot_prefixes`` false) and ``dedicated`` tenants neither feed the counters nor read
 promotions (``hot_prefix_access``). Tenants are created by admins, so one party cannot mint the
-distinct tenants a promotion needs.
+distinct tenants a promotion needs. Only served requests are counted (``observe`` runs after the
+worker answered), and the gateway tells a tenant about a promotion (``promoted_prefix_tokens``) only
+if it was counted for that prefix before the promotion. What remains (a party holding k−1 opted-in
+tenants can still infer that others sent a prefix often) is documented in docs/security.md.
 
 Counters sit behind the async ``PromotionCounter`` protocol: ``InMemoryPromotionCounter`` for one
 gateway; a Redis-backed one (gateway/) lets replicas share them. Time is always passed in.
@@ -24,13 +28,14 @@ gateway; a Redis-backed one (gateway/) lets replicas share them. Time is always 
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
 from policies.hashing import NamespaceSegment, block_hashes
-from policies.isolation import GLOBAL_NAMESPACE_ID, GLOBAL_NAMESPACE_KEY, ISOLATION_LEVELS
+from policies.isolation import ISOLATION_LEVELS, PROMOTED_NAMESPACE_ID, PROMOTED_NAMESPACE_KEY
 
 PrefixHash = NewType("PrefixHash", str)  # hex of the global-form hash of a prefix's last block
 TenantTag = NewType("TenantTag", str)  # opaque, stable tag of a tenant (its namespace id)
@@ -40,7 +45,7 @@ ENV_MIN_HITS = "PREFIXGATE_PROMOTION_MIN_HITS"
 ENV_MIN_TENANTS = "PREFIXGATE_PROMOTION_MIN_TENANTS"
 DEFAULT_MIN_HITS = 1000
 DEFAULT_MIN_TENANTS = 3
-MIN_TENANTS_FLOOR = 2  # one tenant's prompt is never shared, whatever the configuration says
+MIN_TENANTS_FLOOR = 3  # k: one tenant's prompt is never shared, whatever the configuration says
 
 
 def hot_prefix_access(isolation_level: str, share_hot_prefixes: bool) -> bool:
@@ -86,7 +91,7 @@ def boundary_prefixes(
     )
     if not lengths:
         return []
-    segment = NamespaceSegment(start_token=0, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY)
+    segment = NamespaceSegment(start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY)
     hashes = block_hashes(
         token_ids, block_size, model_fingerprint, [segment], max_blocks=lengths[-1] // block_size
     )
@@ -131,7 +136,7 @@ class PromotedPrefix:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PromotionPolicy:
-    """The promotion thresholds. ``min_tenants`` below 2 is raised to 2."""
+    """The promotion thresholds. ``min_tenants`` below ``MIN_TENANTS_FLOOR`` (3) is raised to it."""
 
     min_hits_per_hour: int = DEFAULT_MIN_HITS
     min_tenants: int = DEFAULT_MIN_TENANTS
@@ -151,6 +156,11 @@ class PromotionPolicy:
             )
         except ValueError as exc:
             raise ValueError(f"{ENV_MIN_HITS} and {ENV_MIN_TENANTS} must be integers: {exc}") from None
+
+    @property
+    def max_hits_per_tenant_per_hour(self) -> float:
+        """A tenant's share of the hits: k−1 tenants of one party never reach the threshold alone."""
+        return self.min_hits_per_hour / self.min_tenants
 
     def should_promote(self, stats: PrefixStats) -> bool:
         return stats.hits_per_hour >= self.min_hits_per_hour and stats.num_tenants >= self.min_tenants
@@ -180,21 +190,38 @@ def promotion_candidates(
 
 
 class PromotionCounter(Protocol):
-    """Hit counters shared by the gateways that see a tenant population (memory or Redis)."""
+    """Hit counters shared by the gateways that see a tenant population (memory or Redis).
+
+    Each tenant's hits count at most ``max_hits_per_tenant_per_hour`` (scaled to the window): a few
+    tenants of one party cannot make up the hits that the other tenants would have to send.
+    """
 
     async def record(
-        self, prefix_hashes: Sequence[PrefixHash], tenant_tag: TenantTag, now: float
+        self,
+        prefix_hashes: Sequence[PrefixHash],
+        tenant_tag: TenantTag,
+        now: float,
+        *,
+        max_hits_per_tenant_per_hour: float | None = None,
     ) -> list[PrefixStats]:
-        """Count one hit from ``tenant_tag`` on each prefix; return their stats after it."""
+        """Count one hit from ``tenant_tag`` on each prefix; return their (capped) stats after it."""
         ...
 
-    async def stats(self, prefix_hashes: Sequence[PrefixHash], now: float) -> list[PrefixStats]:
-        """Current stats, without counting a hit."""
+    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+        """The opaque tags of the tenants counted for a prefix in the window (to decide who may be told
+        of its promotion; never shown to anyone)."""
         ...
 
     async def forget(self, prefix_hash: PrefixHash) -> None:
         """Drop a prefix's counts (after an admin revokes its promotion)."""
         ...
+
+
+def hits_cap(max_hits_per_tenant_per_hour: float | None, window_s: float) -> int | None:
+    """A tenant's hit allowance inside a window of ``window_s`` (at least 1), None for no cap."""
+    if max_hits_per_tenant_per_hour is None:
+        return None
+    return max(1, math.ceil(max_hits_per_tenant_per_hour * window_s / HOUR_S))
 
 
 async def observe(
@@ -206,14 +233,20 @@ async def observe(
     *,
     known: Container[PrefixHash] = frozenset(),
 ) -> list[PromotedPrefix]:
-    """Record one request of an opted-in tenant; return the promotions it triggers.
+    """Record one *served* request of an opted-in tenant; return the promotions it triggers.
 
-    Call only when ``hot_prefix_access`` is true. Counter errors propagate: the caller skips promotion
-    for the request (a Redis outage pauses promotion and leaves the request alone).
+    Call only when ``hot_prefix_access`` is true, and only once the request was served (a request the
+    worker refuses must not pad the counts). Counter errors propagate: the caller skips promotion for
+    the request (a Redis outage pauses promotion and leaves the request alone).
     """
     if not prefixes:
         return []
-    stats = await counter.record([p.prefix_hash for p in prefixes], tenant_tag, now)
+    stats = await counter.record(
+        [p.prefix_hash for p in prefixes],
+        tenant_tag,
+        now,
+        max_hits_per_tenant_per_hour=policy.max_hits_per_tenant_per_hour,
+    )
     return promotion_candidates(policy, prefixes, stats, known=known, now=now)
 
 
@@ -221,16 +254,15 @@ async def observe(
 class _Counts:
     """Per-prefix window state."""
 
-    bucket_hits: dict[int, int]  # bucket index → hits in that bucket
-    tenant_last_bucket: dict[str, int]  # tenant tag → last bucket it was seen in (≤ max_tenants tags)
+    tenant_bucket_hits: dict[str, dict[int, int]]  # tenant tag → bucket index → hits (≤ max_tenants tags)
 
 
 class SlidingWindowCounter:
     """In-memory, bounded sliding-window counter (synchronous, pure state; no clock of its own).
 
     Memory bound: at most ``max_prefixes`` prefixes (least recently seen dropped first), each with at
-    most ``window_s / bucket_s`` buckets and ``max_tenants`` tenant tags. The window is bucketed: a
-    hit counts for between ``window_s - bucket_s`` and ``window_s`` seconds.
+    most ``max_tenants`` tenant tags of at most ``window_s / bucket_s`` buckets. The window is bucketed:
+    a hit counts for between ``window_s - bucket_s`` and ``window_s`` seconds.
     """
 
     def __init__(
@@ -255,30 +287,49 @@ class SlidingWindowCounter:
     def __len__(self) -> int:
         return len(self._counts)
 
-    def record(self, prefix_hash: PrefixHash, tenant_tag: TenantTag, now: float) -> PrefixStats:
-        """Count one hit from ``tenant_tag``; return the stats including it."""
+    def record(
+        self,
+        prefix_hash: PrefixHash,
+        tenant_tag: TenantTag,
+        now: float,
+        *,
+        max_hits_per_tenant: int | None = None,
+    ) -> PrefixStats:
+        """Count one hit from ``tenant_tag``; return the stats including it (each tenant's hits
+        capped at ``max_hits_per_tenant`` within the window)."""
         bucket = self._bucket(now)
         counts = self._counts.get(prefix_hash)
         if counts is None:
             if len(self._counts) >= self.max_prefixes:
                 self._counts.popitem(last=False)
-            counts = self._counts[prefix_hash] = _Counts(bucket_hits={}, tenant_last_bucket={})
+            counts = self._counts[prefix_hash] = _Counts(tenant_bucket_hits={})
         else:
             self._counts.move_to_end(prefix_hash)
         self._expire(counts, bucket)
-        counts.bucket_hits[bucket] = counts.bucket_hits.get(bucket, 0) + 1
-        tenants = counts.tenant_last_bucket
+        tenants = counts.tenant_bucket_hits
         if tenant_tag not in tenants and len(tenants) >= self.max_tenants:
-            del tenants[min(tenants, key=tenants.__getitem__)]  # forget the least recently seen
-        tenants[tenant_tag] = max(bucket, tenants.get(tenant_tag, bucket))
-        return self._stats(prefix_hash, counts, bucket)
+            # forget the least recently seen (ties: the smallest tag, as Redis's ZPOPMIN does)
+            del tenants[min(tenants, key=lambda t: (max(tenants[t]), t))]
+        buckets = tenants.setdefault(tenant_tag, {})
+        buckets[bucket] = buckets.get(bucket, 0) + 1
+        return self._stats(prefix_hash, counts, max_hits_per_tenant)
 
-    def stats(self, prefix_hash: PrefixHash, now: float) -> PrefixStats:
+    def stats(
+        self, prefix_hash: PrefixHash, now: float, *, max_hits_per_tenant: int | None = None
+    ) -> PrefixStats:
         """Stats at ``now`` without counting a hit (zeros for an unknown prefix)."""
         counts = self._counts.get(prefix_hash)
         if counts is None:
             return PrefixStats(prefix_hash=prefix_hash, hits=0, num_tenants=0, window_s=self.window_s)
-        return self._stats(prefix_hash, counts, self._bucket(now))
+        self._expire(counts, self._bucket(now))
+        return self._stats(prefix_hash, counts, max_hits_per_tenant)
+
+    def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+        counts = self._counts.get(prefix_hash)
+        if counts is None:
+            return frozenset()
+        self._expire(counts, self._bucket(now))
+        return frozenset(TenantTag(tag) for tag in counts.tenant_bucket_hits)
 
     def forget(self, prefix_hash: PrefixHash) -> None:
         self._counts.pop(prefix_hash, None)
@@ -288,17 +339,20 @@ class SlidingWindowCounter:
 
     def _expire(self, counts: _Counts, bucket: int) -> None:
         oldest = bucket - self.num_buckets  # this bucket and older are out of the window
-        for b in [b for b in counts.bucket_hits if b <= oldest]:
-            del counts.bucket_hits[b]
-        for tag in [t for t, b in counts.tenant_last_bucket.items() if b <= oldest]:
-            del counts.tenant_last_bucket[tag]
+        tenants = counts.tenant_bucket_hits
+        for tag in list(tenants):
+            buckets = tenants[tag]
+            for b in [b for b in buckets if b <= oldest]:
+                del buckets[b]
+            if not buckets:
+                del tenants[tag]
 
-    def _stats(self, prefix_hash: PrefixHash, counts: _Counts, bucket: int) -> PrefixStats:
-        oldest = bucket - self.num_buckets
+    def _stats(self, prefix_hash: PrefixHash, counts: _Counts, cap: int | None) -> PrefixStats:
+        per_tenant = [sum(buckets.values()) for buckets in counts.tenant_bucket_hits.values()]
         return PrefixStats(
             prefix_hash=prefix_hash,
-            hits=sum(n for b, n in counts.bucket_hits.items() if b > oldest),
-            num_tenants=sum(1 for b in counts.tenant_last_bucket.values() if b > oldest),
+            hits=sum(n if cap is None else min(n, cap) for n in per_tenant),
+            num_tenants=len(per_tenant),
             window_s=self.num_buckets * self.bucket_s,
         )
 
@@ -311,12 +365,21 @@ class InMemoryPromotionCounter:
         self.window = window if window is not None else SlidingWindowCounter()
 
     async def record(
-        self, prefix_hashes: Sequence[PrefixHash], tenant_tag: TenantTag, now: float
+        self,
+        prefix_hashes: Sequence[PrefixHash],
+        tenant_tag: TenantTag,
+        now: float,
+        *,
+        max_hits_per_tenant_per_hour: float | None = None,
     ) -> list[PrefixStats]:
-        return [self.window.record(h, tenant_tag, now) for h in prefix_hashes]
+        cap = hits_cap(max_hits_per_tenant_per_hour, self.window.num_buckets * self.window.bucket_s)
+        return [self.window.record(h, tenant_tag, now, max_hits_per_tenant=cap) for h in prefix_hashes]
 
     async def stats(self, prefix_hashes: Sequence[PrefixHash], now: float) -> list[PrefixStats]:
         return [self.window.stats(h, now) for h in prefix_hashes]
+
+    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+        return self.window.contributors(prefix_hash, now)
 
     async def forget(self, prefix_hash: PrefixHash) -> None:
         self.window.forget(prefix_hash)

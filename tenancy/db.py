@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
@@ -21,9 +23,28 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+SQLITE_FILE_MODE = 0o600  # tenant keys' hashes, usage and audit rows: the owner only
+
+
+def _private_sqlite_file(url: str) -> None:
+    """Create the SQLite file owner-only (or tighten an existing one) before SQLite opens it; SQLite
+    gives its -wal and -shm files the database file's mode."""
+    database = make_url(url).database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, SQLITE_FILE_MODE))
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if file.exists():
+            file.chmod(SQLITE_FILE_MODE)
+
+
 def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
-    """An async engine for ``url``; SQLite gets foreign keys, WAL and a busy timeout on every connection."""
+    """An async engine for ``url``; SQLite gets foreign keys, WAL and a busy timeout on every connection,
+    and its file is owner-only (0600)."""
     if is_sqlite(url):
+        _private_sqlite_file(url)
         engine = create_async_engine(url, **kwargs)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

@@ -72,6 +72,10 @@ _NULLABLE = {
 }
 
 
+MAX_SQL_INT = 2**31 - 1
+MAX_PRICE = 1e9  # per million tokens; bounds the float conversion of huge JSON integers
+
+
 class PolicyError(ValueError):
     """An admin supplied an unknown field or a value of the wrong type or range."""
 
@@ -90,11 +94,11 @@ def _check(name: str, value: Any) -> Any:
             raise PolicyError("'name' must be a non-empty string of at most 200 characters", name)
         return value.strip()
     if name == "isolation":
-        if value not in ISOLATION_LEVELS:
+        if not isinstance(value, str) or value not in ISOLATION_LEVELS:
             raise PolicyError(f"'isolation' must be one of {sorted(ISOLATION_LEVELS)}", name)
         return value
     if name == "canonicalization":
-        if value not in CANONICALIZATION_MODES:
+        if not isinstance(value, str) or value not in CANONICALIZATION_MODES:
             raise PolicyError(f"'canonicalization' must be one of {list(CANONICALIZATION_MODES)}", name)
         return value
     if name.startswith("canonicalization_"):
@@ -104,12 +108,13 @@ def _check(name: str, value: Any) -> Any:
             raise PolicyError("'share_hot_prefixes' must be a boolean", name)
         return value
     if name.startswith("price_"):
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise PolicyError(f"'{name}' must be a non-negative number", name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_PRICE:
+            raise PolicyError(f"'{name}' must be a number between 0 and {MAX_PRICE:g}", name)
         return float(value)
-    # reserved_blocks, max_tokens_limit, rate_limit_rpm, rate_limit_tpm, max_concurrent_requests
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PolicyError(f"'{name}' must be a non-negative integer", name)
+    # reserved_blocks, max_tokens_limit, rate_limit_rpm, rate_limit_tpm, max_concurrent_requests:
+    # stored as SQL INTEGER (signed 32 bits)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SQL_INT:
+        raise PolicyError(f"'{name}' must be an integer between 0 and {MAX_SQL_INT}", name)
     return value
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -39,6 +39,8 @@ class WorkerConfig:
     remote_timeout_ms: int = 50
     remote_codec: str = "none"
     flush_on_stop: bool = True  # write cached blocks to the disk tier on a clean shutdown
+    shared_secret: str | None = field(default=None, repr=False)  # bearer the gateways send (worker.auth)
+    at_rest_key: str | None = field(default=None, repr=False)  # AES-GCM for L3/Redis (tiers.at_rest)
 
     def disk_dir(self) -> Path | None:
         if self.l3_dir is not None:

@@ -144,6 +144,7 @@ class Engine:
             remote_timeout_s=cfg.remote_timeout_ms / 1000,
             remote_codec=cfg.remote_codec,
             eviction_policy=cfg.eviction_policy,
+            at_rest_key=cfg.at_rest_key,
         )
         return TieredStore(
             tiers,

@@ -11,9 +11,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
 from worker.metrics import render as render_metrics
+from worker.openapi import worker_openapi_spec
 from worker.protocol import BadRequest, parse_generate
 
 log = logging.getLogger("prefixgate.worker")
@@ -59,6 +61,8 @@ async def _json(request: web.Request) -> Any:
         return await request.json()
     except json.JSONDecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc.msg}", code="invalid_json") from None
+    except ValueError:  # not UTF-8 (UnicodeDecodeError)
+        raise BadRequest("the body is not UTF-8 JSON", code="invalid_json") from None
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -106,9 +110,13 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     body = await _json(request)
     ids = body.get("token_ids") if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise BadRequest("'token_ids' must be a list of integers", param="token_ids")
-    return web.json_response({"text": request.app[ENGINE].tokenizer.decode(ids)})
+    tokenizer = request.app[ENGINE].tokenizer
+    vocab_size = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids
+    ):
+        raise BadRequest(f"'token_ids' must be a list of integers in [0, {vocab_size})", param="token_ids")
+    return web.json_response({"text": tokenizer.decode(ids)})
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -180,6 +188,10 @@ async def abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": known})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(worker_openapi_spec())
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].stats())
 
@@ -208,7 +220,11 @@ async def purge(request: web.Request) -> web.Response:
 
 def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Application:
     """The worker app; the engine is built (model loaded) and started in the app's startup."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    check_bind(config.host, config.shared_secret)
+    middlewares = [errors_middleware]
+    if config.shared_secret:
+        middlewares.append(auth_middleware(config.shared_secret))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[WORKER_ID] = uuid.uuid4().hex
 
     async def engine_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -227,4 +243,5 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Applic
     app.router.add_get("/v1/stats", stats)
     app.router.add_post("/v1/purge", purge)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app

@@ -125,7 +125,9 @@ def test_a_prompt_of_one_tenant_is_never_promoted_however_often_it_is_sent(rende
     assert run.promotions == () and not any(run.promoted_tokens)
 
 
-@pytest.mark.parametrize("isolation", ["shared", "dedicated"])
+# Not "shared": an opted-in shared tenant reads promoted prefixes from the promoted pool (issue 11:
+# promoted prefixes are no longer in the global pool every shared tenant reads), so its hashes change.
+@pytest.mark.parametrize("isolation", ["dedicated"])
 def test_promotion_changes_no_hash_outside_namespace_isolation(streams, isolation):
     canonical = streams[(0.5, "on")]
     run = promote(canonical, isolation, PROMOTION, block_size=BLOCK)

@@ -54,10 +54,13 @@ async def test_tenant_lifecycle(client):
     bad = await client.patch(f"/admin/v1/tenants/{tenant_id}", json={"isolation": "open"}, headers=ADMIN)
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "isolation"
 
-    invalidated = await (await client.post(f"/admin/v1/tenants/{tenant_id}/invalidate", headers=ADMIN)).json()
-    assert invalidated["epoch"] == 1
+    # A shared tenant's KV is the common pool's: no epoch of its own to bump, nothing of its own to purge.
+    invalidated = await client.post(f"/admin/v1/tenants/{tenant_id}/invalidate", headers=ADMIN)
+    assert invalidated.status == 409 and (await invalidated.json())["error"]["code"] == "shared_cache"
+    refused = await client.delete(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)
+    assert refused.status == 409
 
-    deleted = await client.delete(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)
+    deleted = await client.delete(f"/admin/v1/tenants/{tenant_id}?shared_cache=keep", headers=ADMIN)
     assert (await deleted.json())["deleted"] is True
     assert (await client.get("/v1/models", headers=tenant_headers(api_key))).status == 401
     missing = await client.get(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)
@@ -66,7 +69,6 @@ async def test_tenant_lifecycle(client):
     audit = await (await client.get("/admin/v1/audit", headers=ADMIN)).json()
     assert [row["action"] for row in audit["data"]] == [
         "tenant.delete",
-        "tenant.invalidate",
         "tenant.update",
         "tenant.create",
     ]
@@ -160,14 +162,14 @@ async def test_cli_talks_to_admin_api(client, capsys, monkeypatch):
         "create",
         "cli-co",
         "--isolation",
-        "shared",
+        "namespace",
         "--reserved-blocks",
         "0",
         "--no-share-hot-prefixes",
     )
     assert code == 0
     created = json.loads(out)
-    assert created["isolation"] == "shared" and created["api_key"].startswith("sk-pg-")
+    assert created["isolation"] == "namespace" and created["api_key"].startswith("sk-pg-")
 
     code, out, _ = await run_cli(capsys, "tenant", "update", "cli-co", "--price-output-per-mtok", "4")
     assert json.loads(out)["price_output_per_mtok"] == 4.0
@@ -189,8 +191,8 @@ async def test_cli_talks_to_admin_api(client, capsys, monkeypatch):
     assert json.loads(out)["tenants"] == 1
     code, _, err = await run_cli(capsys, "tenant", "get", "nobody")
     assert code == 1 and "no tenant named" in err
-    code, out, _ = await run_cli(capsys, "tenant", "delete", "cli-co")
-    assert json.loads(out)["deleted"] is True
+    code, _, err = await run_cli(capsys, "tenant", "delete", "cli-co")  # purges first: no worker answers
+    assert code == 1 and "502" in err
 
     monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "wrong")
     code, _, err = await run_cli(capsys, "tenant", "list")

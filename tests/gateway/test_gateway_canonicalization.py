@@ -179,7 +179,7 @@ async def test_prompt_lint_reports_fragments_and_their_cost(gateway):
 async def test_metrics_count_moved_and_reported_fragments(gateway):
     await two_timestamps(gateway, "on")
     await two_timestamps(gateway, "report")
-    text = await (await gateway.get("/metrics")).text()
+    text = await (await gateway.get("/metrics", headers=ADMIN)).text()
     lines = [
         line for line in text.splitlines() if line.startswith("prefixgate_canonicalization_fragments_total")
     ]

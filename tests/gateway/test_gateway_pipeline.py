@@ -6,7 +6,12 @@ from gateway.pipeline import PreparedRequest, RequestPipeline
 from gateway.routing import RendezvousRouter
 from gateway.schemas import SamplingParams
 from gateway.workers import WorkerPool
-from policies.isolation import GLOBAL_NAMESPACE_ID, tenant_namespace_id, tenant_namespace_key
+from policies.isolation import (
+    GLOBAL_NAMESPACE_ID,
+    PROMOTED_NAMESPACE_ID,
+    tenant_namespace_id,
+    tenant_namespace_key,
+)
 from tenancy.policy import TenantPolicy
 
 SALT = b"test-salt"
@@ -43,12 +48,12 @@ async def test_segments_per_isolation_level():
         pipe.segments(TenantPolicy(tenant_id=t, name=t, isolation="shared"), promoted_prefix_tokens=64)
         for t in ("x", "y")
     ]
-    assert shared[0] == shared[1] and shared[0][0].namespace_id == GLOBAL_NAMESPACE_ID
-    assert len(shared[0]) == 1
+    assert shared[0] == shared[1] and shared[0][1].namespace_id == GLOBAL_NAMESPACE_ID
+    assert [s.namespace_id for s in shared[0]] == [PROMOTED_NAMESPACE_ID, GLOBAL_NAMESPACE_ID]
 
     promoted = pipe.segments(TenantPolicy(tenant_id="tn_a", name="a"), promoted_prefix_tokens=64)
     assert [(s.start_token, s.namespace_id) for s in promoted] == [
-        (0, GLOBAL_NAMESPACE_ID),
+        (0, PROMOTED_NAMESPACE_ID),
         (64, tenant_namespace_id(SALT, "tn_a")),
     ]
     assert promoted[1].key == namespace[0].key

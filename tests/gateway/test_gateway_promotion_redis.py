@@ -107,22 +107,27 @@ async def test_two_replicas_share_counters_and_promotions(
     assert promoted_tokens(await ask(a, keys[0], system, "qa")) == 0
     assert promoted_tokens(await ask(b, keys[1], system, "qb")) == 0
     promoting = await ask(b, keys[2], system, "qc")
-    promoted = promoted_tokens(promoting)
-    assert promoted > 1600
+    assert promoted_tokens(promoting) == 0  # counted once served; it learns nothing
+    (row,) = await wait_for_hot_prefixes(a, 1)
+    promoted = row["num_tokens"]
+    assert promoted > 1600 and row["num_tenants"] == 3
 
-    # Replica a learns the promotion from SQL with its policy reload, then serves the global copy.
+    # Replica a learns the promotion from SQL with its policy reload, then serves the promoted copy.
     deadline = time.monotonic() + 2.0
     while not a.app[POLICY_CACHE].promoted_hashes:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
-    fourth = await ask(a, keys[3], system, "qd")
-    assert promoted_tokens(fourth) == promoted and cached(fourth) >= promoted
-    (row,) = await wait_for_hot_prefixes(a, 1)
-    assert row["num_tenants"] == 3
+    fourth = await ask(a, keys[3], system, "qd")  # not a contributor: never told
+    assert promoted_tokens(fourth) == 0
+    on_a = await ask(a, keys[0], system, "qa again")
+    assert cached(on_a) >= promoted  # the promoted copy fourth made
+    assert promoted_tokens(on_a) == 0  # only the replica that promoted knows who contributed
+    on_b = await ask(b, keys[1], system, "qb again")
+    assert promoted_tokens(on_b) == promoted
 
 
 async def counter_errors(client) -> float:
-    text = await (await client.get("/metrics")).text()
+    text = await (await client.get("/metrics", headers=ADMIN)).text()
     (line,) = [
         line for line in text.splitlines() if line.startswith("prefixgate_promotion_counter_errors_total")
     ]
@@ -188,7 +193,9 @@ async def test_redis_dying_mid_run_pauses_promotion_until_it_is_back(
         server = start_redis(port, tmp_path)  # back, empty: counting starts over after the pause
         await asyncio.sleep(0.4)
         results = [await ask(client, key, system, f"again {i}") for i, key in enumerate(keys)]
-        assert [promoted_tokens(r) > 0 for r in results] == [False, False, True]
+        assert [promoted_tokens(r) for r in results] == [0, 0, 0]  # the third completes the count
+        await wait_for_hot_prefixes(client, 1)
+        assert promoted_tokens(await ask(client, keys[0], system, "after")) > 0
     finally:
         server.kill()
         server.wait(timeout=10)

@@ -101,7 +101,7 @@ async def test_purge_erases_the_tenant_from_disk_and_redis(
     purge = next(row for row in audit["data"] if row["action"] == "tenant.purge")
     assert purge["details"]["blocks_erased"] == result["blocks_erased"]
     assert purge["details"]["workers_failed"] == []
-    metrics = await (await gateway.get("/metrics")).text()
+    metrics = await (await gateway.get("/metrics", headers=ADMIN)).text()
     assert 'prefixgate_purges_total{outcome="complete"} 1.0' in metrics
 
 

@@ -19,10 +19,16 @@ async def wait_for_status(client, key: str, status: int) -> float:
     raise AssertionError(f"replica did not answer {status} within {PROPAGATION_LIMIT_S}s")
 
 
-async def test_admin_changes_reach_every_replica(aiohttp_client, pg_url, tmp_path):
-    # Production-like refresh interval (the default), not the tests' fast one.
-    a = await aiohttp_client(create_app(make_config(pg_url, tmp_path / "a", policy_refresh_s=0.5)))
-    b = await aiohttp_client(create_app(make_config(pg_url, tmp_path / "b", policy_refresh_s=0.5)))
+async def test_admin_changes_reach_every_replica(aiohttp_client, pg_url, tmp_path, worker_url):
+    # Production-like refresh interval (the default), not the tests' fast one. A real worker: deleting
+    # a tenant purges its KV first.
+    workers = (worker_url,)
+    a = await aiohttp_client(
+        create_app(make_config(pg_url, tmp_path / "a", policy_refresh_s=0.5, worker_urls=workers))
+    )
+    b = await aiohttp_client(
+        create_app(make_config(pg_url, tmp_path / "b", policy_refresh_s=0.5, worker_urls=workers))
+    )
 
     created = await (await a.post("/admin/v1/tenants", json={"name": "acme"}, headers=ADMIN)).json()
     await wait_for_status(b, created["api_key"], 200)
@@ -45,5 +51,5 @@ async def test_admin_changes_reach_every_replica(aiohttp_client, pg_url, tmp_pat
         assert time.monotonic() - started < PROPAGATION_LIMIT_S
         await asyncio.sleep(0.05)
 
-    await b.delete(f"/admin/v1/tenants/{created['id']}", headers=ADMIN)
+    assert (await b.delete(f"/admin/v1/tenants/{created['id']}", headers=ADMIN)).status == 200
     await wait_for_status(a, rotated["api_key"], 401)

@@ -87,4 +87,4 @@ def test_isolation_levels_map_to_segments():
     promoted = namespace_segments(
         level="namespace", salt=b"s", tenant_id="t", epoch=0, promoted_prefix_tokens=32
     )
-    assert [(s.namespace_id, s.start_token) for s in promoted] == [("global", 0), (own[0].namespace_id, 32)]
+    assert [(s.namespace_id, s.start_token) for s in promoted] == [("promoted", 0), (own[0].namespace_id, 32)]

@@ -27,6 +27,7 @@ import torch
 
 from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.hashing import BlockHash
+from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
@@ -34,6 +35,8 @@ from worker.tiers.host import DemotedBlock
 log = logging.getLogger("prefixgate.worker.disk")
 _NS_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 HEADER_READ_BYTES = 1 << 16
+DIR_MODE = 0o700  # KV files hold tenants' prompts (token ids, keys/values): owner only
+FILE_MODE = 0o600
 
 
 @dataclass(slots=True)
@@ -89,6 +92,7 @@ class DiskTier:
         max_blocks_per_file: int = 32,
         pause_after_error_s: float = 30.0,
         min_free_bytes: int = 256 << 20,
+        cipher: AtRestCipher | None = None,
     ) -> None:
         self.dir = root / fingerprint.hex()[:16]
         self.fingerprint = fingerprint
@@ -98,6 +102,7 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.max_blocks_per_file = max_blocks_per_file
         self.pause_after_error_s = pause_after_error_s
+        self.cipher = cipher  # entries sealed per namespace (AES-GCM) when set
         self.min_free_bytes = min_free_bytes  # the tier counts the disk as full below this much free space
         self.reserved_bytes: dict[str, int] = {}  # namespace -> bytes protected from other owners
         self._bytes_by_ns: Counter[str] = Counter()
@@ -111,7 +116,9 @@ class DiskTier:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._paused_until = 0.0
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        for directory in (root, self.dir):  # cached prompts: the worker's user only
+            directory.chmod(DIR_MODE)
         self._scan(root)
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -121,15 +128,23 @@ class DiskTier:
                 self.counters["foreign_deleted_total"] += sum(1 for _ in other.rglob("*.kv"))
                 shutil.rmtree(other, ignore_errors=True)
         for path in sorted(self.dir.rglob("*")):
+            if path.is_dir():
+                path.chmod(DIR_MODE)  # written by an older version with the umask's mode
+            elif path.suffix == ".kv":
+                path.chmod(FILE_MODE)
             if path.suffix == ".tmp":
                 path.unlink(missing_ok=True)
             elif path.suffix == ".kv":
                 try:
-                    with path.open("rb") as handle:
-                        head = handle.read(HEADER_READ_BYTES)
-                    header = decode_header(head, fingerprint=self.fingerprint)
                     size = path.stat().st_size
-                    if size != header.total_bytes:
+                    with path.open("rb") as handle:
+                        head = handle.read() if self.cipher else handle.read(HEADER_READ_BYTES)
+                    entry_bytes = size
+                    if self.cipher is not None:  # a file in clear is not trusted either: deleted
+                        _, head = self.cipher.open(head)
+                        entry_bytes = len(head)
+                    header = decode_header(head, fingerprint=self.fingerprint)
+                    if entry_bytes != header.total_bytes:
                         raise CorruptEntry("file size does not match its header")
                 except (CorruptEntry, OSError) as exc:
                     log.warning("deleting unreadable KV file %s: %s", path, exc)
@@ -227,6 +242,11 @@ class DiskTier:
             with info.path.open("rb", buffering=0) as handle:
                 if handle.readinto(data) != info.num_bytes or handle.read(1):
                     raise CorruptEntry("file size changed")
+            if self.cipher is not None:
+                namespace_id, plain = self.cipher.open(data)
+                data = bytearray(plain)
+                if namespace_id != info.namespace_id:
+                    raise CorruptEntry("encrypted file of another namespace")
             header = decode_header(data, fingerprint=self.fingerprint)
             if header.total_bytes != len(data) or header.namespace_id != info.namespace_id:
                 raise CorruptEntry("truncated or misplaced file")
@@ -278,17 +298,20 @@ class DiskTier:
             blocks=[b.record for b in run],
             payloads=self.codec.encode(data),
         )
+        if self.cipher is not None:
+            entry = self.cipher.seal(namespace_id, entry)
         if shutil.disk_usage(self.dir).free < len(entry) + self.min_free_bytes:
             raise OSError(
                 errno.ENOSPC, f"less than {self.min_free_bytes} bytes would be left free on the KV disk"
             )
         self._make_room(len(entry), namespace_id)
         directory = self.dir / _safe_dirname(namespace_id)
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(exist_ok=True, mode=DIR_MODE)
         path = directory / f"{run[0].record.block_hash.hex()}.kv"
         tmp = path.with_suffix(".tmp")
         try:
-            with tmp.open("wb") as handle:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with os.fdopen(fd, "wb") as handle:
                 handle.write(entry)
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -19,6 +19,7 @@ import redis
 import torch
 
 from policies.hashing import BlockHash
+from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
@@ -66,7 +67,9 @@ class RemoteTier:
         ttl_s: float,
         timeout_s: float,
         pause_after_error_s: float = 5.0,
+        cipher: AtRestCipher | None = None,
     ) -> None:
+        self.cipher = cipher  # entries sealed per namespace (AES-GCM) when set
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.fingerprint = fingerprint
         self.codec = get_codec(codec)
@@ -131,6 +134,8 @@ class RemoteTier:
                     blocks=[block.record],
                     payloads=[data],
                 )
+                if self.cipher is not None:
+                    entry = self.cipher.seal(block.namespace_id, entry)
                 accounting, budget = self._accounting(block.namespace_id)
                 keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
                 self._put(keys=keys, args=[entry, self.ttl_ms, now_ms, budget], client=pipe)
@@ -170,6 +175,8 @@ class RemoteTier:
                     if value is None:
                         break
                     try:
+                        if self.cipher is not None:
+                            _, value = self.cipher.open(value)
                         header = decode_header(value, fingerprint=self.fingerprint)
                         record = header.blocks[0]
                         if (

@@ -29,6 +29,7 @@ import torch
 from policies.hashing import BlockHash
 from worker.block_manager import Block, BlockManager
 from worker.output import SOURCES
+from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.disk import DiskTier
 from worker.tiers.entry import BlockRecord, CorruptEntry
 from worker.tiers.host import DemotedBlock, HostTier
@@ -51,6 +52,7 @@ class TierConfig:
     remote_codec: str = "none"
     l3_min_free_bytes: int = 256 << 20
     eviction_policy: str = "default"
+    at_rest_key: str | None = field(default=None, repr=False)  # encrypt L3 and Redis entries (tiers.at_rest)
 
 
 @dataclass(slots=True)
@@ -119,6 +121,7 @@ class TieredStore:
             eviction_policy=config.eviction_policy,
             on_demote=self._enqueue_demotion,
         )
+        cipher = AtRestCipher(config.at_rest_key) if config.at_rest_key else None
         self.disk = None
         if config.l3_dir is not None:
             self.disk = DiskTier(
@@ -130,6 +133,7 @@ class TieredStore:
                 dtype=self.dtype,
                 eviction_policy=config.eviction_policy,
                 min_free_bytes=config.l3_min_free_bytes,
+                cipher=cipher,
             )
         self.remote = None
         if config.remote_url:
@@ -142,6 +146,7 @@ class TieredStore:
                 budget_bytes=config.remote_bytes,
                 ttl_s=config.remote_ttl_s,
                 timeout_s=config.remote_timeout_s,
+                cipher=cipher,
             )
         self.bandwidth = {
             "l2": Bandwidth(self._calibrate_copy()),

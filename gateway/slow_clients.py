@@ -1,0 +1,64 @@
+"""Slow or lying clients cannot hold the gateway's connections (slowloris, a body that never comes).
+
+- A connection must deliver a complete request head within ``header_timeout_s`` of opening, or it is
+  closed (``start_site``: aiohttp has no header timeout of its own).
+- A request body must arrive within ``read_timeout_s`` (408), and a ``Content-Length`` above the body
+  limit is refused before anything is read (413) (``read_body_middleware``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+from aiohttp import web
+
+from gateway.errors import APIError, PayloadTooLarge
+
+STARTED = web.AppKey("started_transports", weakref.WeakSet)  # transports that delivered a request head
+
+
+class RequestTimeout(APIError):
+    status = 408
+    code = "request_timeout"
+
+
+def read_body_middleware(read_timeout_s: float, max_body_bytes: int):  # type: ignore[no-untyped-def]
+    @web.middleware
+    async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if request.transport is not None:
+            request.app[STARTED].add(request.transport)
+        if request.body_exists:
+            length = request.content_length
+            if length is not None and length > max_body_bytes:
+                raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
+            try:
+                async with asyncio.timeout(read_timeout_s):
+                    await request.read()  # cached: handlers' read() returns it
+            except TimeoutError:
+                raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
+        return await handler(request)
+
+    return middleware
+
+
+async def start_site(runner: web.AppRunner, host: str, port: int, header_timeout_s: float) -> asyncio.Server:
+    """Listen like ``web.TCPSite``, closing connections whose first request head is not complete within
+    ``header_timeout_s``. Close the returned server before ``runner.cleanup()``."""
+    loop = asyncio.get_running_loop()
+    server = runner.server
+    started = runner.app[STARTED]
+    if server is None:
+        raise RuntimeError("call runner.setup() first")
+
+    def close_if_silent(handler: web.RequestHandler) -> None:
+        transport = handler.transport
+        if transport is not None and not transport.is_closing() and transport not in started:
+            transport.close()
+
+    def factory() -> web.RequestHandler:
+        handler = server()
+        loop.call_later(header_timeout_s, close_if_silent, handler)
+        return handler
+
+    return await loop.create_server(factory, host, port, reuse_address=True)
