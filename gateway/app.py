@@ -16,6 +16,8 @@ from gateway.admin_api import create_admin_app
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
+from gateway.kv_consumer import KVEventConsumer
+from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
@@ -32,6 +34,7 @@ from gateway.state import (
     METRICS,
     PIPELINE,
     POLICY_CACHE,
+    PREFIX_INDEX,
     PROMOTION,
     RATE_LIMITER,
     REPOSITORY,
@@ -134,6 +137,8 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     pool = WorkerPool(config.worker_urls, session, timeout_s=config.worker_timeout_s)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
+    app[PREFIX_INDEX] = prefix_index = PrefixIndex()
+    consumer = KVEventConsumer(pool, prefix_index)
     pipeline = RequestPipeline(
         pool=pool,
         router=ROUTERS[config.router](),
@@ -142,11 +147,14 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         affinity_blocks=config.affinity_blocks,
         prompt_steps=[app[CANONICALIZER]],
         promotion=app[PROMOTION],
+        prefix_index=prefix_index,
     )
     app[PIPELINE] = pipeline
     await pool.check_all()
     checker = asyncio.create_task(pool.run(config.worker_health_interval_s), name="worker-health")
+    consumer.start()
     yield
+    await consumer.close()
     await _stop(checker)
     await pipeline.close()
     await session.close()

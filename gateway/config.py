@@ -34,7 +34,7 @@ class GatewayConfig:
     usage_batch_max: int = 512
     usage_spool_path: Path | None = None  # None: usage-spool.jsonl in the data dir
     redis_url: str | None = None  # rate-limit and hot-prefix counters shared by replicas (None: per replica)
-    router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
+    router: str = "kv_aware"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     worker_health_interval_s: float = 2.0
     worker_timeout_s: float = 600.0

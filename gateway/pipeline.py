@@ -21,12 +21,13 @@ from typing import Any, Protocol
 from tokenizers import Encoding
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
+from gateway.kv_index import PrefixIndex
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
 from gateway.upstream import error_from_event
 from gateway.workers import WorkerPool
-from policies.hashing import NamespaceSegment, block_hashes
+from policies.hashing import NamespaceSegment, block_hashes, segment_at
 from policies.isolation import namespace_segments
 from tenancy.policy import TenantPolicy
 
@@ -141,6 +142,7 @@ class RequestPipeline:
         affinity_blocks: int,
         prompt_steps: Sequence[PromptStep] = (),
         promotion: PromotionLookup | None = None,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         self._pool = pool
         self._router = router
@@ -149,6 +151,7 @@ class RequestPipeline:
         self._affinity_blocks = affinity_blocks
         self._prompt_steps = tuple(prompt_steps)
         self._promotion = promotion or NoPromotion()
+        self._prefix_index = prefix_index
         self._background: set[asyncio.Task] = set()
 
     def resolve_model(self, model_id: str) -> ModelRuntime:
@@ -251,14 +254,28 @@ class RequestPipeline:
             raise Unavailable(f"no healthy worker serves '{model.model_id}'")
         # Hashed even for a single worker: ~0.02 ms, and the measured overhead stays that of a fleet.
         affinity: bytes | None = None
+        block_size = model.block_size
+        num_blocks = min(len(token_ids) // block_size, self._affinity_blocks)
+        if self._prefix_index is not None and self._prefix_index.workers:
+            # Every full block: the KV-event index matches the longest cached prefix on each worker.
+            hashes = block_hashes(token_ids, block_size, model.fingerprint, segments)
+            namespace_ids = [segment_at(segments, k * block_size).namespace_id for k in range(len(hashes))]
+            candidates = self._prefix_index.annotate(candidates, hashes, namespace_ids)
+            if num_blocks:
+                affinity = hashes[num_blocks - 1]
+        elif num_blocks:
+            head = token_ids[: num_blocks * block_size]
+            affinity = block_hashes(head, block_size, model.fingerprint, segments)[-1]
         if prompt_cache_key:
             affinity = cache_key_affinity(segments[-1].key, prompt_cache_key)
-        else:
-            num_blocks = min(len(token_ids) // model.block_size, self._affinity_blocks)
-            if num_blocks:
-                head = token_ids[: num_blocks * model.block_size]
-                affinity = block_hashes(head, model.block_size, model.fingerprint, segments)[-1]
-        return self._router.choose(RouteRequest(affinity_key=affinity, candidates=candidates))
+        return self._router.choose(
+            RouteRequest(
+                affinity_key=affinity,
+                candidates=candidates,
+                num_prompt_tokens=len(token_ids),
+                block_size=block_size,
+            )
+        )
 
     async def prepare(
         self,

@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
+from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
@@ -32,3 +33,4 @@ PIPELINE = web.AppKey("pipeline", RequestPipeline)
 CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
+PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
