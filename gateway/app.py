@@ -19,6 +19,7 @@ from gateway.errors import error_middleware
 from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
+from gateway.namespace_secret import namespace_secret_ctx
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
@@ -180,13 +181,13 @@ def create_app(config: GatewayConfig) -> web.Application:
     """The gateway: tenant API, admin API under /admin/v1, /healthz, /metrics, /openapi.json."""
     if config.router not in ROUTERS:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
-    if not config.namespace_salt:
-        raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = GatewayMetrics()
     app[CANONICALIZER] = CanonicalizationStep()
-    app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])
+    app.cleanup_ctx.extend(
+        [rate_limit_ctx, database_ctx, namespace_secret_ctx, usage_ctx, promotion_ctx, workers_ctx]
+    )
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)

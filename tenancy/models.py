@@ -151,3 +151,18 @@ class UsageRecord(Base):
     saved_prefill_ms: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping
+
+
+class NamespaceSecret(Base):
+    """The deployment's namespace secret, one row per epoch; the highest epoch is in force.
+
+    Every gateway replica derives tenants' namespace keys and ids from it, so all replicas agree on
+    namespaces (purges reach every block, caches do not split). Rotating adds a row: every namespace
+    key changes, which invalidates every cached block at once.
+    """
+
+    __tablename__ = "namespace_secrets"
+
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    secret: Mapped[str] = mapped_column(String(200))  # url-safe random text; never logged or returned
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -9,7 +9,7 @@ from migrations import alembic_config, current_revision, upgrade_database
 from tenancy.db import create_engine
 from tenancy.models import Base
 
-HEAD = "0002"
+HEAD = "0005"
 
 
 def schema_diff(url: str) -> list:
