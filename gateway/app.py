@@ -15,11 +15,13 @@ from gateway import openai_api
 from gateway.admin_api import create_admin_app
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
+from gateway.embedding import PromptEmbedder
 from gateway.errors import error_middleware
 from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
 from gateway.namespace_secret import namespace_secret_ctx
+from gateway.near_miss import NearMissRouting
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
@@ -33,6 +35,7 @@ from gateway.state import (
     HOT_PREFIXES,
     HTTP_SESSION,
     METRICS,
+    NEAR_MISS,
     PIPELINE,
     POLICY_CACHE,
     PREFIX_INDEX,
@@ -140,6 +143,10 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
     app[PREFIX_INDEX] = prefix_index = PrefixIndex()
     consumer = KVEventConsumer(pool, prefix_index)
+    # The embedder loads (and imports torch) only when a near-miss tenant first needs it.
+    app[NEAR_MISS] = near_miss = NearMissRouting(
+        embedder=PromptEmbedder(), metrics=app[METRICS], min_blocks=config.near_miss_min_blocks
+    )
     pipeline = RequestPipeline(
         pool=pool,
         router=ROUTERS[config.router](),
@@ -149,13 +156,16 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         prompt_steps=[app[CANONICALIZER]],
         promotion=app[PROMOTION],
         prefix_index=prefix_index,
+        near_miss=near_miss,
     )
     app[PIPELINE] = pipeline
     await pool.check_all()
     checker = asyncio.create_task(pool.run(config.worker_health_interval_s), name="worker-health")
-    consumer.start()
+    if config.kv_index:
+        consumer.start()
     yield
     await consumer.close()
+    await near_miss.close()
     await _stop(checker)
     await pipeline.close()
     await session.close()

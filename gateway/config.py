@@ -37,6 +37,8 @@ class GatewayConfig:
     redis_url: str | None = None  # rate-limit and hot-prefix counters shared by replicas (None: per replica)
     router: str = "kv_aware"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
+    kv_index: bool = True  # follow the workers' KV events into a prefix index (gateway.kv_index)
+    near_miss_min_blocks: int = 4  # near-miss tenants: consult FAISS when the exact index finds fewer
     worker_health_interval_s: float = 2.0
     worker_timeout_s: float = 600.0
     price_input_per_mtok: float = 1.0  # defaults for tenants without their own prices

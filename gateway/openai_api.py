@@ -19,6 +19,7 @@ from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_co
 from gateway.state import (
     CANONICALIZER,
     METRICS,
+    NEAR_MISS,
     PIPELINE,
     POLICY_CACHE,
     RATE_LIMITER,
@@ -101,6 +102,8 @@ def _record_prompt_work(
         metrics.canonicalization_fragments.labels(tenant, "moved").inc(prepared.num_canonicalized)
     if prepared.num_reported:
         metrics.canonicalization_fragments.labels(tenant, "reported").inc(prepared.num_reported)
+    if prepared.near_miss_exact_tokens is not None:
+        metrics.near_miss_tokens.labels(tenant).inc(prepared.near_miss_tokens(cached_tokens))
     if prepared.promoted_prefix_tokens and cached_tokens:
         # Reuse runs from the start of the prompt, so the promoted part is reused first.
         metrics.promoted_prefix_tokens.labels(tenant).inc(min(cached_tokens, prepared.promoted_prefix_tokens))
@@ -207,7 +210,10 @@ async def prompt_lint(request: web.Request) -> web.Response:
     await check_rate_limit(request, tenant)
     parsed = parse_chat(await read_json(await request.read()))
     model = request.config_dict[PIPELINE].resolve_model(parsed.model)
-    return openai_format.json_response(request.config_dict[CANONICALIZER].lint(tenant, model, parsed))
+    body = request.config_dict[CANONICALIZER].lint(tenant, model, parsed)
+    if tenant.near_miss_routing:  # where this tenant's similar prompts parted: canonicalization candidates
+        body["near_miss_findings"] = request.config_dict[NEAR_MISS].findings(tenant.tenant_id)
+    return openai_format.json_response(body)
 
 
 def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:

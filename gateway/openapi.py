@@ -111,6 +111,7 @@ _POLICY_PROPS: dict[str, Any] = {
     },
     "canonicalization_note_role": {"type": "string", "enum": ["user", "system", "developer"]},
     "share_hot_prefixes": {"type": "boolean", "default": False},
+    "near_miss_routing": {"type": "boolean", "default": False},
     "price_input_per_mtok": {"type": ["number", "null"]},
     "price_cached_input_per_mtok": {"type": ["number", "null"]},
     "price_output_per_mtok": {"type": ["number", "null"]},

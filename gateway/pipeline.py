@@ -23,6 +23,7 @@ from tokenizers import Encoding
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
 from gateway.kv_index import PrefixIndex
 from gateway.model import ModelRuntime, TemplateError
+from gateway.near_miss import NearMissRouting
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
 from gateway.upstream import error_from_event
@@ -97,6 +98,13 @@ class PreparedRequest:
     num_canonicalized: int = 0  # fragments moved (the x-prefixgate-canonicalized header)
     num_reported: int = 0  # fragments found and left in place ("report" mode)
     promoted_prefix_tokens: int = 0  # tokens hashed in the global namespace as a promoted hot prefix
+    near_miss_exact_tokens: int | None = None  # near-miss route: the exact index's cached tokens there
+
+    def near_miss_tokens(self, cached_tokens: int) -> int:
+        """Cached tokens a near-miss route found beyond what the exact index predicted (0 otherwise)."""
+        return (
+            0 if self.near_miss_exact_tokens is None else max(0, cached_tokens - self.near_miss_exact_tokens)
+        )
 
     def worker_payload(self) -> dict[str, Any]:
         s = self.sampling
@@ -143,6 +151,7 @@ class RequestPipeline:
         prompt_steps: Sequence[PromptStep] = (),
         promotion: PromotionLookup | None = None,
         prefix_index: PrefixIndex | None = None,
+        near_miss: NearMissRouting | None = None,
     ) -> None:
         self._pool = pool
         self._router = router
@@ -152,6 +161,7 @@ class RequestPipeline:
         self._prompt_steps = tuple(prompt_steps)
         self._promotion = promotion or NoPromotion()
         self._prefix_index = prefix_index
+        self._near_miss = near_miss
         self._background: set[asyncio.Task] = set()
 
     def resolve_model(self, model_id: str) -> ModelRuntime:
@@ -249,6 +259,16 @@ class RequestPipeline:
         segments: Sequence[NamespaceSegment],
         prompt_cache_key: str | None,
     ) -> str:
+        return self._router.choose(self.route_request(model, token_ids, segments, prompt_cache_key))
+
+    def route_request(
+        self,
+        model: ModelRuntime,
+        token_ids: Sequence[int],
+        segments: Sequence[NamespaceSegment],
+        prompt_cache_key: str | None,
+    ) -> RouteRequest:
+        """The router's input: healthy candidates with their cached prefix and load, the affinity key."""
         candidates = self._pool.candidates(model.model_id)
         if not candidates:
             raise Unavailable(f"no healthy worker serves '{model.model_id}'")
@@ -268,13 +288,11 @@ class RequestPipeline:
             affinity = block_hashes(head, block_size, model.fingerprint, segments)[-1]
         if prompt_cache_key:
             affinity = cache_key_affinity(segments[-1].key, prompt_cache_key)
-        return self._router.choose(
-            RouteRequest(
-                affinity_key=affinity,
-                candidates=candidates,
-                num_prompt_tokens=len(token_ids),
-                block_size=block_size,
-            )
+        return RouteRequest(
+            affinity_key=affinity,
+            candidates=candidates,
+            num_prompt_tokens=len(token_ids),
+            block_size=block_size,
         )
 
     async def prepare(
@@ -291,7 +309,14 @@ class RequestPipeline:
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
         promoted = await self._promotion.promoted_prefix_tokens(tenant, model, prompt)
         segments = self.segments(tenant, promoted_prefix_tokens=promoted)
-        worker_url = self.route(model, token_ids, segments, request.prompt_cache_key)
+        route_request = self.route_request(model, token_ids, segments, request.prompt_cache_key)
+        worker_url = self._router.choose(route_request)
+        near_miss_exact_tokens = None
+        if self._near_miss is not None and tenant.near_miss_routing:
+            near_miss = await self._near_miss.route(
+                tenant, model, token_ids, segments, route_request, worker_url
+            )
+            worker_url, near_miss_exact_tokens = near_miss.worker_url, near_miss.exact_tokens
         return PreparedRequest(
             request_id=request_id,
             endpoint=endpoint,
@@ -306,6 +331,7 @@ class RequestPipeline:
             num_canonicalized=prompt.num_moved,
             num_reported=prompt.num_reported,
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
+            near_miss_exact_tokens=near_miss_exact_tokens,
         )
 
     def _abort_later(self, prepared: PreparedRequest) -> None:

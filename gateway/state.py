@@ -10,6 +10,7 @@ from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
+from gateway.near_miss import NearMissRouting
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
@@ -34,3 +35,4 @@ CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
 PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
+NEAR_MISS = web.AppKey("near_miss", NearMissRouting)

@@ -49,6 +49,7 @@ class Tenant(Base):
     canonicalization_disabled_rules: Mapped[list] = mapped_column(JSON, default=list)
     canonicalization_note_role: Mapped[str] = mapped_column(String(20), default="user")
     share_hot_prefixes: Mapped[bool] = mapped_column(Boolean, default=False)
+    near_miss_routing: Mapped[bool] = mapped_column(Boolean, default=False)  # FAISS near-miss fallback
     epoch: Mapped[int] = mapped_column(Integer, default=0)  # bumped by `invalidate`: fresh namespace key
     price_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: default
     price_cached_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)

@@ -1,4 +1,5 @@
-"""the deployment's namespace secret (one row per epoch), shared by every gateway replica
+"""the deployment's namespace secret (one row per epoch), shared by every gateway replica;
+tenants' near-miss routing opt-in
 
 Revision ID: 0005
 Revises: 0002
@@ -18,6 +19,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    op.add_column(
+        "tenants",
+        sa.Column("near_miss_routing", sa.Boolean(), nullable=False, server_default=sa.false()),
+    )
     op.create_table(
         "namespace_secrets",
         sa.Column("epoch", sa.Integer(), autoincrement=False, nullable=False),
@@ -29,3 +34,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("namespace_secrets")
+    op.drop_column("tenants", "near_miss_routing")
