@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,7 @@ from gateway.embedding import PromptEmbedder
 from gateway.errors import error_middleware
 from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
+from gateway.kv_relay import RedisKVRelay
 from gateway.metrics import GatewayMetrics
 from gateway.namespace_secret import namespace_secret_ctx
 from gateway.near_miss import NearMissRouting
@@ -34,6 +36,7 @@ from gateway.state import (
     ENGINE,
     HOT_PREFIXES,
     HTTP_SESSION,
+    KV_CONSUMER,
     METRICS,
     NEAR_MISS,
     PIPELINE,
@@ -142,7 +145,10 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     pool = WorkerPool(config.worker_urls, session, timeout_s=config.worker_timeout_s)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
     app[PREFIX_INDEX] = prefix_index = PrefixIndex()
-    consumer = KVEventConsumer(pool, prefix_index)
+    relay = None
+    if config.redis_url and config.kv_index:  # replicas share the workers' event streams
+        relay = RedisKVRelay(config.redis_url, replica_id=secrets.token_hex(8))
+    app[KV_CONSUMER] = consumer = KVEventConsumer(pool, prefix_index, relay=relay)
     # The embedder loads (and imports torch) only when a near-miss tenant first needs it.
     app[NEAR_MISS] = near_miss = NearMissRouting(
         embedder=PromptEmbedder(), metrics=app[METRICS], min_blocks=config.near_miss_min_blocks

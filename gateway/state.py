@@ -8,6 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
+from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
 from gateway.near_miss import NearMissRouting
@@ -36,3 +37,4 @@ HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
 PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
 NEAR_MISS = web.AppKey("near_miss", NearMissRouting)
+KV_CONSUMER = web.AppKey("kv_consumer", KVEventConsumer)
