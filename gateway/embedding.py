@@ -24,7 +24,7 @@ EMBEDDING_DIM = 384  # all-MiniLM-L6-v2
 
 class PromptEmbedder:
     def __init__(
-        self, *, max_seq_tokens: int = 64, cache_entries: int = 4096, torch_threads: int = 1
+        self, *, max_seq_tokens: int = 32, cache_entries: int = 4096, torch_threads: int = 1
     ) -> None:
         self.max_seq_tokens = max_seq_tokens
         self.torch_threads = torch_threads
