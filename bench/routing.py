@@ -10,7 +10,7 @@ least-loaded, KV-aware (the KV-event index), KV-aware + near-miss (tenants opted
 fresh tenants (fresh namespaces) and every worker's cache is purged between policies.
 
 Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`` 4):
-- ``multi_tenant``: 6 tenants with Zipf traffic, each with 5 system prompts of 8–24 blocks (Zipf),
+- ``multi_tenant``: 6 tenants with Zipf traffic, each with 10 system prompts of 8–24 blocks (Zipf),
   then a distinct 1–4 block user part;
 - ``near_duplicate``: the same, but every request carries its own 8-token span (an id, a time) after
   the first 3 blocks of its system prompt, and each system prompt first appears in a burst.
@@ -257,7 +257,7 @@ async def main_async(args) -> dict:
             upgrade_database, GatewayConfig(data_dir=Path(tmp_name)).resolved_database_url
         )
         for kind in ("multi_tenant", "near_duplicate"):
-            requests = workload(kind, num, args.seed)
+            requests = workload(kind, num, args.seed, prompts_per_tenant=args.prompts_per_tenant)
             results[kind] = {}
             for name in POLICIES:
                 results[kind][name] = await run_policy(
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=256, help="device pool per worker")
     parser.add_argument("--slo-ms", type=float, default=250.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-per-tenant", type=int, default=10, help="system prompts per tenant")
     parser.add_argument("--plot", type=Path, default=Path("docs/img/routing.png"))
     args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))

@@ -206,6 +206,14 @@ def openapi_spec() -> dict[str, Any]:
                 security=admin,
             )
         },
+        "/admin/v1/tenants/{tenant_id}/near-miss": {
+            "get": _op(
+                "Where the tenant's similar prompts diverged (near-miss routing, this replica): "
+                "candidate canonicalization rules",
+                params=[tid],
+                security=admin,
+            )
+        },
         "/admin/v1/hot-prefixes": {
             "get": _op(
                 "Promoted hot prefixes (hash, tokens, hits, tenant count; never tenants or text)",
