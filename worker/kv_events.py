@@ -54,7 +54,7 @@ class KVEventBatch:
 class KVEventLog:
     """A bounded, thread-safe ring of KV events with consecutive sequence numbers."""
 
-    def __init__(self, capacity_events: int = 1 << 18) -> None:
+    def __init__(self, capacity_events: int = 1 << 17) -> None:
         self._events: deque[KVEvent] = deque(maxlen=capacity_events)
         self._last_seq = 0
         self._lock = threading.Lock()
