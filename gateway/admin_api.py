@@ -19,7 +19,7 @@ from gateway.errors import (
 )
 from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
-from gateway.state import CONFIG, POLICY_CACHE, REPOSITORY, WORKER_POOL
+from gateway.state import CONFIG, NEAR_MISS, POLICY_CACHE, REPOSITORY, WORKER_POOL
 from policies.isolation import tenant_namespace_id
 from tenancy.keys import tokens_equal
 from tenancy.policy import PolicyError, TenantPolicy
@@ -101,6 +101,14 @@ async def list_tenants(request: web.Request) -> web.Response:
 async def get_tenant(request: web.Request) -> web.Response:
     policy, created_at = await request.config_dict[REPOSITORY].get_tenant(request.match_info["tenant_id"])
     return web.json_response(_tenant_json(request, policy, created_at))
+
+
+async def near_miss_findings(request: web.Request) -> web.Response:
+    """Where this tenant's similar prompts diverged (this replica's recent near misses): candidate
+    canonicalization rules."""
+    policy, _ = await request.config_dict[REPOSITORY].get_tenant(request.match_info["tenant_id"])
+    findings = request.config_dict[NEAR_MISS].findings(policy.tenant_id)
+    return web.json_response({"object": "list", "tenant_id": policy.tenant_id, "data": findings})
 
 
 async def update_tenant(request: web.Request) -> web.Response:
@@ -241,6 +249,7 @@ def create_admin_app() -> web.Application:
     r.add_patch("/tenants/{tenant_id}", update_tenant)
     r.add_delete("/tenants/{tenant_id}", delete_tenant)
     r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant)
+    r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings)
     r.add_get("/tenants/{tenant_id}/keys", list_keys)
     r.add_post("/tenants/{tenant_id}/keys", create_key)
     r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key)

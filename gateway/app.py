@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -19,8 +20,14 @@ from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.cpu import CpuPool
 from gateway.drain import Drain, on_shutdown
+from gateway.embedding import PromptEmbedder
 from gateway.errors import AuthenticationError, error_middleware
+from gateway.kv_consumer import KVEventConsumer
+from gateway.kv_index import PrefixIndex
+from gateway.kv_relay import RedisKVRelay
 from gateway.metrics import TENANT_LABEL_MODES, GatewayMetrics
+from gateway.namespace_secret import namespace_secret_ctx
+from gateway.near_miss import NearMissRouting
 from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
 from gateway.pipeline import RequestPipeline
@@ -37,9 +44,12 @@ from gateway.state import (
     ENGINE,
     HOT_PREFIXES,
     HTTP_SESSION,
+    KV_CONSUMER,
     METRICS,
+    NEAR_MISS,
     PIPELINE,
     POLICY_CACHE,
+    PREFIX_INDEX,
     PROMOTION,
     RATE_LIMITER,
     REPOSITORY,
@@ -160,6 +170,15 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     cpu = CpuPool(num_threads=config.cpu_threads, max_waiting=config.cpu_queue_max)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
+    app[PREFIX_INDEX] = prefix_index = PrefixIndex()
+    relay = None
+    if config.redis_url and config.kv_index:  # replicas share the workers' event streams
+        relay = RedisKVRelay(config.redis_url, replica_id=secrets.token_hex(8))
+    app[KV_CONSUMER] = consumer = KVEventConsumer(pool, prefix_index, relay=relay)
+    # The embedder loads (and imports torch) only when a near-miss tenant first needs it.
+    app[NEAR_MISS] = near_miss = NearMissRouting(
+        embedder=PromptEmbedder(), metrics=app[METRICS], min_blocks=config.near_miss_min_blocks
+    )
     pipeline = RequestPipeline(
         pool=pool,
         router=ROUTERS[config.router](),
@@ -170,11 +189,17 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         promotion=app[PROMOTION],
         cpu=cpu,
         max_prompt_chars=config.max_prompt_chars,
+        prefix_index=prefix_index,
+        near_miss=near_miss,
     )
     app[PIPELINE] = pipeline
     await pool.check_all()
     checker = asyncio.create_task(pool.run(config.worker_health_interval_s), name="worker-health")
+    if config.kv_index:
+        consumer.start()
     yield
+    await consumer.close()
+    await near_miss.close()
     await _stop(checker)
     await pipeline.close()
     cpu.close()
@@ -213,8 +238,6 @@ def create_app(config: GatewayConfig) -> web.Application:
     """The gateway: tenant API, admin API under /admin/v1, /healthz, /metrics, /openapi.json."""
     if config.router not in ROUTERS:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
-    if not config.namespace_salt:
-        raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
     app = web.Application(
         middlewares=[error_middleware, read_body_middleware(config.read_timeout_s, config.max_body_bytes)],
         client_max_size=config.max_body_bytes,
@@ -224,15 +247,19 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
     if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
         raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")
-    salt = config.salt_bytes
     hashed = config.metrics_tenant_labels == "hash"
+    # The salt is read when a label is made: it may come from the database once the app has started.
     app[METRICS] = GatewayMetrics(
-        tenant_label=(lambda tenant_id: tenant_namespace_id(salt, tenant_id)) if hashed else None
+        tenant_label=(lambda tenant_id: tenant_namespace_id(app[CONFIG].salt_bytes, tenant_id))
+        if hashed
+        else None
     )
     app[CANONICALIZER] = CanonicalizationStep()
     app[DRAIN] = Drain(grace_s=config.shutdown_grace_s)
     app.on_shutdown.append(on_shutdown(app[DRAIN]))
-    app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])
+    app.cleanup_ctx.extend(
+        [rate_limit_ctx, database_ctx, namespace_secret_ctx, usage_ctx, promotion_ctx, workers_ctx]
+    )
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/openapi.json", openapi_handler)

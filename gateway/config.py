@@ -1,7 +1,8 @@
 """Gateway configuration: defaults < TOML file < ``PREFIXGATE_*`` environment < command-line flags.
 
 ``load_config`` only reads; ``prepare_data_dir`` creates the data dir and generates (and stores, mode
-0600) the namespace salt and the admin token when none is given.
+0600) the admin token when none is given. The namespace secret is the deployment's, from the database
+(``gateway.namespace_secret``), unless ``namespace_salt`` is configured.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class GatewayConfig:
     database_url: str | None = None  # None: SQLite file in the data dir
     worker_urls: tuple[str, ...] = ("http://127.0.0.1:8081",)
     admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
-    namespace_salt: str | None = field(default=None, repr=False)  # None: generated in the data dir
+    namespace_salt: str | None = field(default=None, repr=False)  # None: the database's (one per deployment)
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000  # characters of messages / prompt, checked before rendering (413)
     max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
@@ -45,8 +46,10 @@ class GatewayConfig:
     # the container's stop grace period minus usage_db_timeout_s (docker/compose.yaml: 20 s of 30 s).
     shutdown_grace_s: float = 20.0
     redis_url: str | None = None  # rate-limit and hot-prefix counters shared by replicas (None: per replica)
-    router: str = "rendezvous"  # a key of gateway.routing.ROUTERS
+    router: str = "kv_aware"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
+    kv_index: bool = True  # follow the workers' KV events into a prefix index (gateway.kv_index)
+    near_miss_min_blocks: int = 4  # near-miss tenants: consult FAISS when the exact index finds fewer
     worker_health_interval_s: float = 2.0
     worker_health_timeout_s: float = 2.0  # a worker that does not answer /healthz in this is lost (hung)
     worker_timeout_s: float = 600.0
@@ -75,7 +78,7 @@ class GatewayConfig:
     @property
     def salt_bytes(self) -> bytes:
         if not self.namespace_salt:
-            raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
+            raise ValueError("no namespace salt yet (the app reads the deployment's from the database)")
         return self.namespace_salt.encode()
 
 
@@ -138,11 +141,12 @@ def _read_or_create_secret(path: Path, nbytes: int) -> str:
 
 
 def prepare_data_dir(config: GatewayConfig, *, generate_admin_token: bool = True) -> GatewayConfig:
-    """Create the data dir; fill in a stored salt and admin token when the config gives none."""
+    """Create the data dir; fill in a stored admin token when the config gives none.
+
+    The namespace secret is not made here: a per-data-dir salt made replicas disagree on namespaces.
+    """
     config.data_dir.mkdir(parents=True, exist_ok=True)
     changes: dict[str, Any] = {}
-    if not config.namespace_salt:
-        changes["namespace_salt"] = _read_or_create_secret(config.data_dir / "namespace_salt", 32)
     if not config.admin_token and generate_admin_token:
         changes["admin_token"] = _read_or_create_secret(config.data_dir / "admin_token", 24)
     return dataclasses.replace(config, **changes) if changes else config

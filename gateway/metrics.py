@@ -113,6 +113,24 @@ class GatewayMetrics:
         self.purged_blocks = Counter(
             "prefixgate_purged_blocks", "KV blocks erased by tenant purges", ["tier"], registry=r
         )
+        self.near_miss_routes = Counter(
+            "prefixgate_near_miss_routes",
+            "Near-miss consultations: moved to a similar prompt's worker, or kept the exact route",
+            ["outcome"],
+            registry=r,
+        )
+        self.near_miss_tokens = Counter(
+            "prefixgate_near_miss_tokens",
+            "Cached prompt tokens beyond the exact index's prediction on near-miss routes",
+            ["tenant"],
+            registry=r,
+        )
+        self.near_miss_embed_seconds = Histogram(
+            "prefixgate_near_miss_embed_seconds",
+            "Prompt-head embedding time of a near-miss consultation (its own thread)",
+            buckets=(*OVERHEAD_BUCKETS_S, 0.25, 0.5, 1.0),
+            registry=r,
+        )
         self.policy_age = Gauge(
             "prefixgate_policy_snapshot_age_seconds",
             "Seconds since the policy cache was last checked",

@@ -22,6 +22,7 @@ from gateway.state import (
     CONFIG,
     DRAIN,
     METRICS,
+    NEAR_MISS,
     PIPELINE,
     POLICY_CACHE,
     RATE_LIMITER,
@@ -144,6 +145,8 @@ def _record_prompt_work(
         metrics.canonicalization_fragments.labels(tenant, "moved").inc(prepared.num_canonicalized)
     if prepared.num_reported:
         metrics.canonicalization_fragments.labels(tenant, "reported").inc(prepared.num_reported)
+    if prepared.near_miss_exact_tokens is not None:
+        metrics.near_miss_tokens.labels(tenant).inc(prepared.near_miss_tokens(cached_tokens))
     if prepared.promoted_prefix_tokens and cached_tokens:
         # Reuse runs from the start of the prompt, so the promoted part is reused first.
         metrics.promoted_prefix_tokens.labels(tenant).inc(min(cached_tokens, prepared.promoted_prefix_tokens))
@@ -284,8 +287,10 @@ async def prompt_lint(request: web.Request) -> web.Response:
     pipeline = request.config_dict[PIPELINE]
     model = pipeline.resolve_model(parsed.model)
     pipeline.check_prompt_size(parsed, model, context_window=False)
-    lint = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
-    return openai_format.json_response(lint, headers=headers)
+    body = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
+    if tenant.near_miss_routing:  # where this tenant's similar prompts parted: canonicalization candidates
+        body["near_miss_findings"] = request.config_dict[NEAR_MISS].findings(tenant.tenant_id)
+    return openai_format.json_response(body, headers=headers)
 
 
 def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def usage_json(prepared: PreparedRequest, usage: dict[str, Any]) -> dict[str, An
         "completion_tokens_details": {"reasoning_tokens": 0},
         "prefixgate": {
             "cached_tokens_by_tier": {tier: int(by_source.get(tier, 0)) for tier in TIERS},
-            "near_miss_tokens": 0,
+            "near_miss_tokens": prepared.near_miss_tokens(int(usage.get("cached_tokens", 0))),
             "promoted_prefix_tokens": prepared.promotion.reported_prefix_tokens,
             "isolation": prepared.tenant.isolation,
             **extra,

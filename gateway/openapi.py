@@ -111,6 +111,7 @@ _POLICY_PROPS: dict[str, Any] = {
     },
     "canonicalization_note_role": {"type": "string", "enum": ["user", "system", "developer"]},
     "share_hot_prefixes": {"type": "boolean", "default": False},
+    "near_miss_routing": {"type": "boolean", "default": False},
     "price_input_per_mtok": {"type": ["number", "null"]},
     "price_cached_input_per_mtok": {"type": ["number", "null"]},
     "price_output_per_mtok": {"type": ["number", "null"]},
@@ -203,6 +204,14 @@ def openapi_spec() -> dict[str, Any]:
             "post": _op(
                 "Erase the tenant's cached KV from every tier of every worker (and bump its epoch); "
                 "502 with per-worker results when a worker did not answer",
+                params=[tid],
+                security=admin,
+            )
+        },
+        "/admin/v1/tenants/{tenant_id}/near-miss": {
+            "get": _op(
+                "Where the tenant's similar prompts diverged (near-miss routing, this replica): "
+                "candidate canonicalization rules",
                 params=[tid],
                 security=admin,
             )

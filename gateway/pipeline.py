@@ -29,14 +29,16 @@ from tokenizers import Encoding
 
 from gateway.cpu import CpuPool
 from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, PayloadTooLarge, Unavailable
+from gateway.kv_index import PrefixIndex
 from gateway.model import ModelRuntime, TemplateError
+from gateway.near_miss import NearMissRouting
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
 from gateway.special_tokens import chat_encoding
 from gateway.upstream import WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
 from policies.chat_text import iter_texts
-from policies.hashing import NamespaceSegment, block_hashes
+from policies.hashing import NamespaceSegment, block_hashes, segment_at
 from policies.isolation import namespace_segments
 from policies.promotion import BoundaryPrefix
 from tenancy.policy import TenantPolicy
@@ -128,6 +130,13 @@ class PreparedRequest:
     num_reported: int = 0  # fragments found and left in place ("report" mode)
     promoted_prefix_tokens: int = 0  # tokens hashed in the promoted namespace as a promoted hot prefix
     promotion: PromotionMatch = PromotionMatch()  # reported tokens, and what to count once served
+    near_miss_exact_tokens: int | None = None  # near-miss route: the exact index's cached tokens there
+
+    def near_miss_tokens(self, cached_tokens: int) -> int:
+        """Cached tokens a near-miss route found beyond what the exact index predicted (0 otherwise)."""
+        return (
+            0 if self.near_miss_exact_tokens is None else max(0, cached_tokens - self.near_miss_exact_tokens)
+        )
 
     def worker_payload(self) -> dict[str, Any]:
         s = self.sampling
@@ -175,6 +184,8 @@ class RequestPipeline:
         promotion: PromotionLookup | None = None,
         cpu: CpuPool | None = None,
         max_prompt_chars: int = 0,
+        prefix_index: PrefixIndex | None = None,
+        near_miss: NearMissRouting | None = None,
     ) -> None:
         self._pool = pool
         self._router = router
@@ -183,6 +194,8 @@ class RequestPipeline:
         self._affinity_blocks = affinity_blocks
         self._prompt_steps = tuple(prompt_steps)
         self._promotion = promotion or NoPromotion()
+        self._prefix_index = prefix_index
+        self._near_miss = near_miss
         self._background: set[asyncio.Task] = set()
         self._cpu = cpu
         self._max_prompt_chars = max_prompt_chars
@@ -317,19 +330,41 @@ class RequestPipeline:
         segments: Sequence[NamespaceSegment],
         prompt_cache_key: str | None,
     ) -> str:
+        return self._router.choose(self.route_request(model, token_ids, segments, prompt_cache_key))
+
+    def route_request(
+        self,
+        model: ModelRuntime,
+        token_ids: Sequence[int],
+        segments: Sequence[NamespaceSegment],
+        prompt_cache_key: str | None,
+    ) -> RouteRequest:
+        """The router's input: healthy candidates with their cached prefix and load, the affinity key."""
         candidates = self._pool.candidates(model.model_id)
         if not candidates:
             raise Unavailable(f"no healthy worker serves '{model.model_id}'")
         # Hashed even for a single worker: ~0.02 ms, and the measured overhead stays that of a fleet.
         affinity: bytes | None = None
+        block_size = model.block_size
+        num_blocks = min(len(token_ids) // block_size, self._affinity_blocks)
+        if self._prefix_index is not None and self._prefix_index.workers:
+            # Every full block: the KV-event index matches the longest cached prefix on each worker.
+            hashes = block_hashes(token_ids, block_size, model.fingerprint, segments)
+            namespace_ids = [segment_at(segments, k * block_size).namespace_id for k in range(len(hashes))]
+            candidates = self._prefix_index.annotate(candidates, hashes, namespace_ids)
+            if num_blocks:
+                affinity = hashes[num_blocks - 1]
+        elif num_blocks:
+            head = token_ids[: num_blocks * block_size]
+            affinity = block_hashes(head, block_size, model.fingerprint, segments)[-1]
         if prompt_cache_key:
             affinity = cache_key_affinity(segments[-1].key, prompt_cache_key)
-        else:
-            num_blocks = min(len(token_ids) // model.block_size, self._affinity_blocks)
-            if num_blocks:
-                head = token_ids[: num_blocks * model.block_size]
-                affinity = block_hashes(head, model.block_size, model.fingerprint, segments)[-1]
-        return self._router.choose(RouteRequest(affinity_key=affinity, candidates=candidates))
+        return RouteRequest(
+            affinity_key=affinity,
+            candidates=candidates,
+            num_prompt_tokens=len(token_ids),
+            block_size=block_size,
+        )
 
     async def prepare(
         self,
@@ -347,7 +382,14 @@ class RequestPipeline:
         promotion = await self._promotion.match(tenant, model, prompt)
         promoted = promotion.promoted_prefix_tokens
         segments = self.segments(tenant, promoted_prefix_tokens=promoted)
-        worker_url = self.route(model, token_ids, segments, request.prompt_cache_key)
+        route_request = self.route_request(model, token_ids, segments, request.prompt_cache_key)
+        worker_url = self._router.choose(route_request)
+        near_miss_exact_tokens = None
+        if self._near_miss is not None and tenant.near_miss_routing:
+            near_miss = await self._near_miss.route(
+                tenant, model, token_ids, segments, route_request, worker_url
+            )
+            worker_url, near_miss_exact_tokens = near_miss.worker_url, near_miss.exact_tokens
         return PreparedRequest(
             request_id=request_id,
             endpoint=endpoint,
@@ -363,6 +405,7 @@ class RequestPipeline:
             num_reported=prompt.num_reported,
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
             promotion=promotion,
+            near_miss_exact_tokens=near_miss_exact_tokens,
         )
 
     def served(self, prepared: PreparedRequest) -> None:

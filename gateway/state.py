@@ -10,7 +10,10 @@ from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.drain import Drain
+from gateway.kv_consumer import KVEventConsumer
+from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
+from gateway.near_miss import NearMissRouting
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
@@ -36,3 +39,6 @@ CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
 DRAIN = web.AppKey("drain", Drain)
+PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
+NEAR_MISS = web.AppKey("near_miss", NearMissRouting)
+KV_CONSUMER = web.AppKey("kv_consumer", KVEventConsumer)

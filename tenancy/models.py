@@ -49,6 +49,7 @@ class Tenant(Base):
     canonicalization_disabled_rules: Mapped[list] = mapped_column(JSON, default=list)
     canonicalization_note_role: Mapped[str] = mapped_column(String(20), default="user")
     share_hot_prefixes: Mapped[bool] = mapped_column(Boolean, default=False)
+    near_miss_routing: Mapped[bool] = mapped_column(Boolean, default=False)  # FAISS near-miss fallback
     epoch: Mapped[int] = mapped_column(Integer, default=0)  # bumped by `invalidate`: fresh namespace key
     price_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: default
     price_cached_input_per_mtok: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -167,3 +168,18 @@ class UsageRecord(Base):
     cost_total: Mapped[float] = mapped_column(Float, default=0.0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping
+
+
+class NamespaceSecret(Base):
+    """The deployment's namespace secret, one row per epoch; the highest epoch is in force.
+
+    Every gateway replica derives tenants' namespace keys and ids from it, so all replicas agree on
+    namespaces (purges reach every block, caches do not split). Rotating adds a row: every namespace
+    key changes, which invalidates every cached block at once.
+    """
+
+    __tablename__ = "namespace_secrets"
+
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    secret: Mapped[str] = mapped_column(String(200))  # url-safe random text; never logged or returned
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

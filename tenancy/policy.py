@@ -27,6 +27,7 @@ class TenantPolicy:
     canonicalization_disabled_rules: tuple[str, ...] = ()  # built-in rules turned off
     canonicalization_note_role: str = "user"  # role of the trailing note of moved values
     share_hot_prefixes: bool = False  # opt-in to promoted global prefixes (and to feed their counters)
+    near_miss_routing: bool = False  # opt-in to the FAISS near-miss route fallback (gateway.near_miss)
     epoch: int = 0
     price_input_per_mtok: float | None = None
     price_cached_input_per_mtok: float | None = None
@@ -48,6 +49,7 @@ class TenantPolicy:
             canonicalization_disabled_rules=tuple(tenant.canonicalization_disabled_rules or ()),
             canonicalization_note_role=tenant.canonicalization_note_role,
             share_hot_prefixes=tenant.share_hot_prefixes,
+            near_miss_routing=tenant.near_miss_routing,
             epoch=tenant.epoch,
             price_input_per_mtok=tenant.price_input_per_mtok,
             price_cached_input_per_mtok=tenant.price_cached_input_per_mtok,
@@ -103,9 +105,9 @@ def _check(name: str, value: Any) -> Any:
         return value
     if name.startswith("canonicalization_"):
         return _check_canonicalization(name, value)
-    if name == "share_hot_prefixes":
+    if name in {"share_hot_prefixes", "near_miss_routing"}:
         if not isinstance(value, bool):
-            raise PolicyError("'share_hot_prefixes' must be a boolean", name)
+            raise PolicyError(f"'{name}' must be a boolean", name)
         return value
     if name.startswith("price_"):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_PRICE:

@@ -84,6 +84,9 @@ class BlockManager:
         self._evictable_by_ns: Counter[str] = Counter()  # cached blocks with ref_count 0
         self.num_evictions = 0
         self._clock = clock
+        # KV-event hooks (worker.kv_events): a block was published / unpublished. Set by the engine.
+        self.on_cached: Callable[[Block], None] | None = None
+        self.on_uncached: Callable[[Block], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -205,6 +208,8 @@ class BlockManager:
         )
         self._slot_of[content_id(block_hash)] = block_id
         self.policy.on_insert(content_id(block_hash), meta, self._clock())
+        if self.on_cached is not None:
+            self.on_cached(block)
         return True
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -277,6 +282,8 @@ class BlockManager:
         """Unpublish one block; ``leaving`` are all blocks unpublished together (a purge's whole set)."""
         block = self.blocks[block_id]
         assert block.block_hash is not None
+        if self.on_uncached is not None:
+            self.on_uncached(block)
         del self.hash_to_block_id[block.block_hash]
         del self._slot_of[content_id(block.block_hash)]
         if block.parent_id is not None and block.parent_id not in leaving:

@@ -23,6 +23,8 @@ import torch
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.config import WorkerConfig
+from worker.kv_events import KVEventLog
+from worker.kv_events import attach as attach_kv_events
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
@@ -100,6 +102,10 @@ class Engine:
             eviction_policy=config.eviction_policy,
             on_evict=self.store.demote_from_l1 if self.store else None,
         )
+        self.kv_events = KVEventLog()
+        attach_kv_events(self.kv_events, self.block_manager, "L1")
+        if self.store is not None:
+            attach_kv_events(self.kv_events, self.store.l2.index, "L2")
         self.scheduler = Scheduler(
             self.block_manager,
             model_fingerprint=self.fingerprint,

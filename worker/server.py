@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -14,6 +16,7 @@ from aiohttp import web
 from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
+from worker.kv_events import engine_load
 from worker.metrics import render as render_metrics
 from worker.openapi import worker_openapi_spec
 from worker.protocol import BadRequest, parse_generate
@@ -192,6 +195,39 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(worker_openapi_spec())
 
 
+def _int_query(request: web.Request, name: str, default: int, upper: int) -> int:
+    raw = request.query.get(name)
+    try:
+        value = default if raw is None else int(raw)
+    except ValueError:
+        raise BadRequest(f"'{name}' must be an integer", param=name) from None
+    if not 0 <= value <= upper:
+        raise BadRequest(f"'{name}' must be between 0 and {upper}", param=name)
+    return value
+
+
+async def kv_events(request: web.Request) -> web.Response:
+    """KV events after ``since`` (long-polls up to ``wait_ms`` when there are none) and the load."""
+    engine = request.app[ENGINE]
+    since = _int_query(request, "since", 0, 1 << 62)
+    wait_ms = _int_query(request, "wait_ms", 0, 30_000)
+    max_events = _int_query(request, "max_events", 4096, 65_536) or 1
+    deadline = time.monotonic() + wait_ms / 1000
+    batch = engine.kv_events.since(since, max_events=max_events)
+    while not batch.events and not batch.reset and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        batch = engine.kv_events.since(since, max_events=max_events)
+    return web.json_response(
+        {
+            "worker_id": request.app[WORKER_ID],
+            "last_seq": batch.last_seq,
+            "reset": batch.reset,
+            "events": [event.to_json() for event in batch.events],
+            "load": engine_load(engine),
+        }
+    )
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].stats())
 
@@ -241,6 +277,7 @@ def create_app(config: WorkerConfig, engine: Engine | None = None) -> web.Applic
     app.router.add_post("/v1/generate", generate)
     app.router.add_post("/v1/abort", abort)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/v1/kv_events", kv_events)
     app.router.add_post("/v1/purge", purge)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

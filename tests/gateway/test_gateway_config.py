@@ -45,11 +45,12 @@ def test_unknown_config_key_is_an_error(tmp_path: Path):
 
 def test_prepare_data_dir_generates_and_keeps_secrets(tmp_path: Path):
     config = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d"))
-    assert config.namespace_salt and config.admin_token
-    for name in ("namespace_salt", "admin_token"):
-        assert stat.S_IMODE((tmp_path / "d" / name).stat().st_mode) == 0o600
+    # The namespace secret is the deployment's (database), never a per-data-dir file.
+    assert config.admin_token and not config.namespace_salt
+    assert not (tmp_path / "d" / "namespace_salt").exists()
+    assert stat.S_IMODE((tmp_path / "d" / "admin_token").stat().st_mode) == 0o600
     again = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d"))
-    assert (again.namespace_salt, again.admin_token) == (config.namespace_salt, config.admin_token)
+    assert again.admin_token == config.admin_token
     given = prepare_data_dir(GatewayConfig(data_dir=tmp_path / "d", admin_token="mine"))
     assert given.admin_token == "mine"
     assert "namespace_salt" not in repr(config)

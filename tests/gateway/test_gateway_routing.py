@@ -55,3 +55,73 @@ def test_load_bound_and_no_affinity():
 def test_cache_key_affinity_is_namespaced():
     assert cache_key_affinity(b"a" * 32, "conv-1") != cache_key_affinity(b"b" * 32, "conv-1")
     assert cache_key_affinity(b"a" * 32, "conv-1") == cache_key_affinity(b"a" * 32, "conv-1")
+
+
+# --- KV-aware routing and the KV-event prefix index ------------------------------------------------
+
+from gateway.kv_index import PrefixIndex  # noqa: E402
+from gateway.routing import KVAwareRouter, RandomRouter, RoundRobinRouter  # noqa: E402
+
+
+def stored(seq: int, block: bytes, ns: str, medium: str = "L1") -> dict:
+    return {
+        "seq": seq,
+        "type": "BlockStored",
+        "medium": medium,
+        "block_hashes": [block.hex()],
+        "namespace_id": ns,
+    }
+
+
+def test_index_matches_the_longest_prefix_within_the_namespace_and_by_tier():
+    index = PrefixIndex()
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    events = [stored(1, a, "t-1"), stored(2, b, "t-1", "L2"), stored(3, c, "t-2")]
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 3, "events": events, "load": {"num_running": 2}})
+    found = index.match(URLS[0], [a, b, c], ["t-1", "t-1", "t-1"])
+    assert (found.num_blocks, found.weighted_blocks) == (2, 1.8)  # c is another namespace's block
+    assert index.match(URLS[1], [a], ["t-1"]).num_blocks == 0
+    removed = {"seq": 4, "type": "BlockRemoved", "medium": "L1", "block_hashes": [a.hex()]}
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 4, "events": [removed]})
+    assert index.match(URLS[0], [a, b], ["t-1", "t-1"]).num_blocks == 0 and index.position(URLS[0]) == (
+        "w0",
+        4,
+    )
+    index.apply(URLS[0], {"worker_id": "w0-restarted", "last_seq": 1, "events": [stored(1, b, "t-1")]})
+    assert index.match(URLS[0], [b], ["t-1"]).weighted_blocks == 1.0  # the old process's state is gone
+    index.drop(URLS[0])
+    assert index.position(URLS[0]) == (None, 0)
+
+
+def test_kv_aware_prefers_the_cached_prefix_until_load_outweighs_it():
+    router = KVAwareRouter(running_cost_tokens=64)
+    cold = loads(0, 0, 0)
+    request = RouteRequest(affinity_key=b"k" * 16, candidates=cold, num_prompt_tokens=512, block_size=16)
+    assert router.choose(request) == RendezvousRouter().choose(request)  # nothing cached: consistent hash
+    warm = [
+        WorkerLoad(
+            url=w.url,
+            in_flight=0,
+            cached_blocks=20 if w.url == URLS[2] else 0,
+            cached_weighted_blocks=20.0 if w.url == URLS[2] else 0.0,
+        )
+        for w in cold
+    ]
+    assert router.choose(RouteRequest(affinity_key=None, candidates=warm, num_prompt_tokens=512)) == URLS[2]
+    busy = [
+        w
+        if w.url != URLS[2]
+        else WorkerLoad(
+            url=w.url, in_flight=0, cached_blocks=20, cached_weighted_blocks=20.0, queued_prefill_tokens=4000
+        )
+        for w in warm
+    ]
+    assert router.choose(RouteRequest(affinity_key=None, candidates=busy, num_prompt_tokens=512)) != URLS[2]
+
+
+def test_baseline_routers_spread_requests():
+    request = RouteRequest(affinity_key=None, candidates=loads(0, 0, 0, 0))
+    robin = RoundRobinRouter()
+    assert [robin.choose(request) for _ in range(8)] == sorted(URLS) * 2
+    assert len({RandomRouter().choose(request) for _ in range(200)}) == 4
+    assert isinstance(ROUTERS["kv_aware"](), KVAwareRouter)

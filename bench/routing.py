@@ -1,0 +1,321 @@
+"""Routing policies side by side on 3 real workers: hit ratio, TTFT p50/p99, goodput.
+
+    python -m bench.routing            # 600 requests per policy and workload
+    python -m bench.routing --quick    # 150
+
+Three worker processes (``random-small``, the built-in model's shape; ``--threads 1`` each; a small
+device pool and no L2 so that where a prefix lives matters) sit behind one in-process gateway that is
+rebuilt for each policy: random, round-robin, consistent hash (rendezvous over the first 4 blocks),
+least-loaded, KV-aware (the KV-event index), KV-aware + near-miss (tenants opted in). Each policy gets
+fresh tenants (fresh namespaces) and every worker's cache is purged between policies.
+
+Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`` 4):
+- ``multi_tenant``: 6 tenants with Zipf traffic, each with 10 system prompts of 8–24 blocks (Zipf),
+  then a distinct 1–4 block user part;
+- ``near_duplicate``: the same, but every request carries its own 8-token span (an id, a time) after
+  the first 3 blocks of its system prompt, and each system prompt first appears in a burst.
+
+Closed loop with ``--concurrency`` clients. Hit ratio = cached prompt tokens / prompt tokens; goodput =
+requests per second whose TTFT met ``--slo-ms``. The embedding cost of near-miss is measured apart:
+``PromptEmbedder.embed`` on distinct 128-token heads (no LRU hits). Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from bench.gateway_overhead import percentile, wait_http
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.embedding import PromptEmbedder
+from gateway.state import NEAR_MISS
+from gateway.up import free_port
+from migrations import upgrade_database
+
+BLOCK = 16
+ADMIN = "bench-admin"
+POLICIES: dict[str, dict] = {
+    "random": {"router": "random", "kv_index": False},
+    "round_robin": {"router": "round_robin", "kv_index": False},
+    "consistent_hash": {"router": "rendezvous", "kv_index": False},
+    "least_loaded": {"router": "least_loaded", "kv_index": False},
+    "kv_aware": {"router": "kv_aware", "kv_index": True},
+    "kv_aware+near_miss": {"router": "kv_aware", "kv_index": True, "near_miss": True},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Request:
+    tenant: int
+    prompt: list[int]
+
+
+def zipf_pick(rng: random.Random, n: int, s: float = 1.1) -> int:
+    weights = [1 / (k + 1) ** s for k in range(n)]
+    return rng.choices(range(n), weights)[0]
+
+
+def workload(kind: str, num_requests: int, seed: int, num_tenants: int = 6, prompts_per_tenant: int = 5):
+    rng = random.Random(seed)
+    systems = [
+        [
+            [rng.randrange(1, 250) for _ in range(BLOCK * rng.randint(8, 24))]
+            for _ in range(prompts_per_tenant)
+        ]
+        for _ in range(num_tenants)
+    ]
+    requests: list[Request] = []
+    while len(requests) < num_requests:
+        tenant, which = zipf_pick(rng, num_tenants), zipf_pick(rng, prompts_per_tenant)
+        burst = rng.randint(4, 8) if kind == "near_duplicate" else 1
+        for _ in range(burst):
+            system = systems[tenant][which]
+            if kind == "near_duplicate":  # a per-request span after 3 blocks (an id, a timestamp)
+                system = system[: 3 * BLOCK] + [rng.randrange(1, 250) for _ in range(8)] + system[3 * BLOCK :]
+            user = [rng.randrange(1, 250) for _ in range(rng.randint(BLOCK, 4 * BLOCK))]
+            requests.append(Request(tenant=tenant, prompt=system + user))
+    return requests[:num_requests]
+
+
+@contextlib.contextmanager
+def workers(count: int, num_blocks: int, log_dir: Path):
+    procs, urls = [], []
+    try:
+        for i in range(count):
+            port = free_port()
+            args = ["--model", "random-small", "--threads", "1", "--num-blocks", str(num_blocks)]
+            args += ["--l2-bytes", "0", "--max-model-len", "2048", "--port", str(port)]
+            log = open(log_dir / f"worker-{i}.log", "wb")  # noqa: SIM115 - closed with the process
+            procs.append(
+                (subprocess.Popen([sys.executable, "-m", "worker", *args], stdout=log, stderr=log), log)
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+        for (proc, _), url in zip(procs, urls, strict=True):
+            wait_http(url + "/healthz", proc)
+        yield urls
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, log in procs:
+            proc.wait(timeout=30)
+            log.close()
+
+
+async def start_gateway(urls: list[str], data_dir: Path, settings: dict) -> tuple[web.AppRunner, str]:
+    config = GatewayConfig(
+        data_dir=data_dir,
+        worker_urls=tuple(urls),
+        admin_token=ADMIN,
+        namespace_salt="bench-salt",
+        router=settings["router"],
+        kv_index=settings["kv_index"],
+        worker_health_interval_s=0.5,
+        log_level="WARNING",
+    )
+    runner = web.AppRunner(create_app(config), access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def one(session: aiohttp.ClientSession, base: str, key: str, prompt: list[int]) -> tuple[float, dict]:
+    body = {"model": "random-small", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    started = time.perf_counter()
+    ttft, usage = None, {}
+    async with session.post(
+        f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {await r.text()}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - started
+            usage = chunk.get("usage") or usage
+    return (ttft or time.perf_counter() - started), usage
+
+
+async def run_policy(
+    kind: str, name: str, urls: list[str], requests: list[Request], args, tmp: Path, progress
+) -> dict:
+    settings = POLICIES[name]
+    runner, base = await start_gateway(urls, tmp, settings)
+    app = runner.app
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+        tenants = []
+        for t in range(max(r.tenant for r in requests) + 1):
+            body = {"name": f"{kind}-{name}-{t}", "near_miss_routing": bool(settings.get("near_miss"))}
+            async with admin.post(f"{base}/admin/v1/tenants", json=body) as r:
+                if r.status != 201:
+                    raise RuntimeError(f"creating a tenant: {r.status} {await r.text()}")
+                tenants.append(await r.json())
+        await asyncio.sleep(0.6)  # policy refresh
+    if settings.get("near_miss"):
+        await app[NEAR_MISS].embedder.warm_up()  # the model load is a one-off, not a request's cost
+    results: list[tuple[float, dict]] = []
+    queue = list(requests)
+    task = progress.add_task(name, total=len(requests))
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def client() -> None:
+            while queue:
+                request = queue.pop(0)
+                results.append(await one(session, base, tenants[request.tenant]["api_key"], request.prompt))
+                progress.advance(task)
+
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        elapsed = time.perf_counter() - started
+        for tenant in tenants:  # cold caches for the next policy
+            for url in urls:
+                async with session.post(f"{url}/v1/purge", json={"namespace_id": tenant["namespace_id"]}):
+                    pass
+    await runner.cleanup()
+    ttfts = [ttft * 1000 for ttft, _ in results]
+    prompt = sum(u.get("prompt_tokens", 0) for _, u in results)
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for _, u in results)
+    near = sum(u.get("prefixgate", {}).get("near_miss_tokens", 0) for _, u in results)
+    return {
+        "hit_ratio": round(cached / max(1, prompt), 4),
+        "ttft_p50_ms": round(percentile(ttfts, 50), 1),
+        "ttft_p99_ms": round(percentile(ttfts, 99), 1),
+        "goodput_rps": round(sum(t <= args.slo_ms for t in ttfts) / elapsed, 2),
+        "near_miss_tokens": near,
+        "requests": len(results),
+    }
+
+
+def embedding_cost(num: int) -> dict:
+    embedder = PromptEmbedder()
+    rng = random.Random(5)
+    words = ["system", "prompt", "tenant", "cache", "block", "route", "worker", "prefix", "policy", "token"]
+    embedder.embed_blocking("warm up")
+    times = []
+    for _ in range(num):
+        text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(40))
+        started = time.perf_counter()
+        embedder.embed_blocking(text)
+        times.append((time.perf_counter() - started) * 1000)
+    embedder.close()
+    return {"embed_p50_ms": round(percentile(times, 50), 2), "embed_p99_ms": round(percentile(times, 99), 2)}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    names = list(POLICIES)
+    for kind_index, kind in enumerate(results):
+        offset = (kind_index - 0.5) * 0.4
+        xs = [i + offset for i in range(len(names))]
+        axes[0].bar(xs, [results[kind][n]["hit_ratio"] for n in names], width=0.4, label=kind)
+        axes[1].bar(xs, [results[kind][n]["ttft_p99_ms"] for n in names], width=0.4, label=kind)
+        axes[2].bar(xs, [results[kind][n]["goodput_rps"] for n in names], width=0.4, label=kind)
+    for ax, title in zip(axes, ("hit ratio", "TTFT p99 (ms)", "goodput (req/s within SLO)"), strict=True):
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+async def main_async(args) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    num = 150 if args.quick else args.requests
+    results: dict[str, dict] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp_name,
+        workers(3, args.num_blocks, Path(tmp_name)) as urls,
+        Progress() as progress,
+    ):
+        await asyncio.to_thread(
+            upgrade_database, GatewayConfig(data_dir=Path(tmp_name)).resolved_database_url
+        )
+        for kind in ("multi_tenant", "near_duplicate"):
+            requests = workload(kind, num, args.seed, prompts_per_tenant=args.prompts_per_tenant)
+            results[kind] = {}
+            for name in POLICIES:
+                results[kind][name] = await run_policy(
+                    kind, name, urls, requests, args, Path(tmp_name), progress
+                )
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--num-blocks", type=int, default=256, help="device pool per worker")
+    parser.add_argument("--slo-ms", type=float, default=250.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-per-tenant", type=int, default=10, help="system prompts per tenant")
+    parser.add_argument("--plot", type=Path, default=Path("docs/img/routing.png"))
+    args = parser.parse_args(argv)
+    results = asyncio.run(main_async(args))
+    cost = embedding_cost(50 if args.quick else 200)
+    console = Console()
+    for kind, by_policy in results.items():
+        table = Table(
+            title=f"routing: {kind} (3 workers, concurrency {args.concurrency}, SLO {args.slo_ms:.0f} ms)"
+        )
+        for column in ("policy", "hit ratio", "TTFT p50 ms", "TTFT p99 ms", "goodput req/s", "near-miss tok"):
+            table.add_column(column, justify="right")
+        for name, row in by_policy.items():
+            table.add_row(
+                name,
+                f"{row['hit_ratio']:.3f}",
+                f"{row['ttft_p50_ms']:.1f}",
+                f"{row['ttft_p99_ms']:.1f}",
+                f"{row['goodput_rps']:.2f}",
+                str(row["near_miss_tokens"]),
+            )
+        console.print(table)
+    mt = results["multi_tenant"]
+    nd = results["near_duplicate"]
+    summary = {
+        "kv_vs_round_robin_hit_ratio": round(
+            mt["kv_aware"]["hit_ratio"] / max(1e-9, mt["round_robin"]["hit_ratio"]), 2
+        ),
+        "kv_vs_least_loaded_ttft_p99": round(
+            mt["kv_aware"]["ttft_p99_ms"] / mt["least_loaded"]["ttft_p99_ms"], 2
+        ),
+        "near_miss_extra_hit_ratio": round(
+            nd["kv_aware+near_miss"]["hit_ratio"] - nd["kv_aware"]["hit_ratio"], 4
+        ),
+        **cost,
+    }
+    p50, p99 = cost["embed_p50_ms"], cost["embed_p99_ms"]
+    console.print(f"embedding (all-MiniLM-L6-v2, 1 thread): p50 {p50} ms, p99 {p99} ms")
+    plot(results, args.plot)
+    console.print(f"plot: {args.plot}")
+    print(json.dumps({"results": results, "summary": summary}))
+
+
+if __name__ == "__main__":
+    main()

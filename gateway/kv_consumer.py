@@ -1,0 +1,122 @@
+"""Follows every worker's KV-event stream into the gateway's ``PrefixIndex``.
+
+One task per worker long-polls ``GET /v1/kv_events?since=<last applied seq>``: after a broken
+connection it resumes from the last event it applied (the worker replays the rest). A worker whose
+stream fails is dropped from the index at once, so no request is routed for a cache that died with
+it; a restarted worker (new ``worker_id``) is read again from its first event.
+
+With a ``RedisKVRelay`` (several replicas) only the replica holding a worker's lease polls it and
+publishes what it applies; the others apply the published batches (``gateway.kv_relay``). If Redis
+fails, each replica polls the worker itself until Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from gateway.kv_index import PrefixIndex
+from gateway.kv_relay import RedisKVRelay
+from gateway.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class KVEventConsumer:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        index: PrefixIndex,
+        *,
+        relay: RedisKVRelay | None = None,
+        wait_ms: int = 1000,
+        retry_s: float = 0.5,
+    ) -> None:
+        self._pool = pool
+        self._index = index
+        self._relay = relay
+        self._wait_ms = wait_ms
+        self._retry_s = retry_s
+        self._tasks: list[asyncio.Task] = []
+        self.leading: set[str] = set()  # workers this replica polls itself (holds the relay lease)
+        self.num_relayed_batches = 0  # batches applied from other replicas through Redis
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._follow(url), name=f"kv-events {url}") for url in self._pool.workers
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._relay is not None:
+            for url in list(self.leading):
+                with contextlib.suppress(Exception):
+                    await self._relay.release(url)
+            await self._relay.close()
+
+    async def _poll(self, url: str) -> dict[str, Any] | None:
+        """One long poll of the worker, applied to the index; None (and the worker dropped) on failure."""
+        while True:
+            worker_id, since = self._index.position(url)
+            try:
+                batch = await self._pool.client(url).kv_events(since=since, wait_ms=self._wait_ms)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if url in self._index.workers:
+                    log.info("KV events of %s unavailable (%s): dropped from the routing index", url, exc)
+                self._index.drop(url)
+                return None
+            if worker_id is not None and batch["worker_id"] != worker_id and since > 0:
+                self._index.drop(url)  # restarted: read the new process from its first event
+                continue
+            self._index.apply(url, batch)
+            return batch
+
+    async def _follow(self, url: str) -> None:
+        if self._relay is None:
+            while True:
+                if await self._poll(url) is None:
+                    await asyncio.sleep(self._retry_s)
+        last_id = "0"
+        while True:
+            try:
+                leading = await self._relay.lead(url)
+                if not leading:
+                    self.leading.discard(url)
+                    last_id = await self._apply_relayed(url, last_id, block_ms=self._wait_ms)
+                    continue
+                if url not in self.leading:  # just took over: catch up with what the last leader published
+                    self.leading.add(url)
+                    last_id = await self._apply_relayed(url, last_id, block_ms=None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis is down: follow the worker directly meanwhile
+                log.warning("KV-event relay unavailable (%s): polling %s directly", exc, url)
+                if await self._poll(url) is None:
+                    await asyncio.sleep(self._retry_s)
+                continue
+            batch = await self._poll(url)
+            with contextlib.suppress(Exception):
+                last_id = await self._relay.publish(url, batch if batch is not None else {"dropped": True})
+            if batch is None:
+                await asyncio.sleep(self._retry_s)
+
+    async def _apply_relayed(self, url: str, last_id: str, *, block_ms: int | None) -> str:
+        while True:
+            entries = await self._relay.read(url, last_id, block_ms=block_ms)  # type: ignore[union-attr]
+            for entry_id, batch in entries:
+                if batch.get("dropped"):
+                    self._index.drop(url)
+                else:
+                    self._index.apply(url, batch)
+                    self.num_relayed_batches += 1
+                last_id = entry_id
+            if block_ms is not None or not entries:
+                return last_id

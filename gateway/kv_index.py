@@ -1,0 +1,138 @@
+"""The gateway's per-worker prefix index, built from the workers' KV events (``worker.kv_events``).
+
+For every worker it keeps which block hashes are cached in which tier, with the namespace each block
+was stored under, plus the last load the worker reported. A request's prefix hashes (chained from its
+own namespace key, so another tenant's blocks can never match) are looked up block by block from the
+first one; the match stops at the first block the worker lacks. A worker that stops answering its
+event stream, or restarts, is dropped from the index at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.routing import WorkerLoad
+
+# How much a cached block is worth by tier, relative to one in the device pool: loading from a lower
+# tier costs a copy (L2) or a read (L3, Redis), still far cheaper than recomputing the block.
+TIER_WEIGHTS: Mapping[str, float] = {"L1": 1.0, "L2": 0.8, "L3": 0.5, "remote": 0.3}
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    namespace_id: str
+    media: set[str] = field(default_factory=set)  # tiers holding the block ("L1", "L2", …)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerLoadReport:
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrefixMatch:
+    num_blocks: int  # leading blocks of the request cached on the worker (any tier)
+    weighted_blocks: float  # the same, each weighted by its best tier (TIER_WEIGHTS)
+
+
+@dataclass(slots=True)
+class WorkerIndex:
+    worker_id: str | None = None  # the worker process the events came from
+    last_seq: int = 0  # last event applied
+    blocks: dict[bytes, CachedBlock] = field(default_factory=dict)
+    load: WorkerLoadReport = field(default_factory=WorkerLoadReport)
+
+
+class PrefixIndex:
+    """Block hashes cached per worker url, fed by KV events."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerIndex] = {}
+
+    def drop(self, url: str) -> None:
+        """Forget a worker (dead, restarted, or its event stream broke)."""
+        self.workers.pop(url, None)
+
+    def position(self, url: str) -> tuple[str | None, int]:
+        """(worker id, last applied sequence number) to resume a worker's event stream from."""
+        state = self.workers.get(url)
+        return (None, 0) if state is None else (state.worker_id, state.last_seq)
+
+    def apply(self, url: str, batch: Mapping[str, Any]) -> None:
+        """Apply one ``GET /v1/kv_events`` answer of the worker at ``url``."""
+        state = self.workers.get(url)
+        if state is None or state.worker_id != batch["worker_id"] or batch.get("reset"):
+            state = self.workers[url] = WorkerIndex(worker_id=batch["worker_id"])
+        for event in batch["events"]:
+            self._apply_event(state, event)
+            state.last_seq = event["seq"]
+        if not batch["events"] and batch.get("reset"):
+            state.last_seq = batch["last_seq"]
+        load = batch.get("load") or {}
+        state.load = WorkerLoadReport(
+            num_running=int(load.get("num_running", 0)),
+            num_waiting=int(load.get("num_waiting", 0)),
+            queued_prefill_tokens=int(load.get("queued_prefill_tokens", 0)),
+        )
+
+    @staticmethod
+    def _apply_event(state: WorkerIndex, event: Mapping[str, Any]) -> None:
+        kind, medium = event["type"], event.get("medium", "L1")
+        if kind == "AllBlocksCleared":
+            for block_hash in [h for h, b in state.blocks.items() if medium in b.media]:
+                PrefixIndex._remove(state, block_hash, medium)
+            return
+        for hex_hash in event.get("block_hashes", ()):
+            block_hash = bytes.fromhex(hex_hash)
+            if kind == "BlockStored":
+                block = state.blocks.get(block_hash)
+                if block is None:
+                    block = state.blocks[block_hash] = CachedBlock(namespace_id=event["namespace_id"])
+                block.media.add(medium)
+            elif kind == "BlockRemoved":
+                PrefixIndex._remove(state, block_hash, medium)
+
+    @staticmethod
+    def _remove(state: WorkerIndex, block_hash: bytes, medium: str) -> None:
+        block = state.blocks.get(block_hash)
+        if block is not None:
+            block.media.discard(medium)
+            if not block.media:
+                del state.blocks[block_hash]
+
+    def match(self, url: str, hashes: Sequence[bytes], namespace_ids: Sequence[str]) -> PrefixMatch:
+        """The longest run of ``hashes`` (block k stored under ``namespace_ids[k]``) cached on ``url``."""
+        state = self.workers.get(url)
+        num, weighted = 0, 0.0
+        if state is not None:
+            for block_hash, namespace_id in zip(hashes, namespace_ids, strict=True):
+                block = state.blocks.get(block_hash)
+                if block is None or block.namespace_id != namespace_id:
+                    break
+                num += 1
+                weighted += max(TIER_WEIGHTS.get(m, 0.0) for m in block.media)
+        return PrefixMatch(num_blocks=num, weighted_blocks=weighted)
+
+    def annotate(
+        self, candidates: Iterable[WorkerLoad], hashes: Sequence[bytes], namespace_ids: Sequence[str]
+    ) -> list[WorkerLoad]:
+        """Candidates with their cached prefix and their last reported load filled in."""
+        annotated = []
+        for worker in candidates:
+            found = self.match(worker.url, hashes, namespace_ids)
+            state = self.workers.get(worker.url)
+            load = state.load if state is not None else WorkerLoadReport()
+            annotated.append(
+                replace(
+                    worker,
+                    cached_blocks=found.num_blocks,
+                    cached_weighted_blocks=found.weighted_blocks,
+                    num_running=load.num_running,
+                    queued_prefill_tokens=load.queued_prefill_tokens,
+                )
+            )
+        return annotated

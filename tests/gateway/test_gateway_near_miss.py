@@ -1,0 +1,83 @@
+"""Near-miss routing with 3 real worker processes and the real embedding model (loaded offline)."""
+
+from __future__ import annotations
+
+import random
+
+from openai import AsyncOpenAI
+
+from gateway.app import create_app
+from gateway.state import METRICS, NEAR_MISS
+from tests.gateway.conftest import ADMIN, create_tenant, make_config
+from tests.gateway.test_gateway_e2e import MODEL
+from tests.gateway.test_gateway_routing_kv import three_workers  # noqa: F401 - fixture
+
+BLOCK = 16
+
+
+async def complete(sdk: AsyncOpenAI, prompt: list[int]) -> dict:
+    answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    return answer.usage.model_dump()
+
+
+async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_its_namespace_only(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    three_workers,  # noqa: F811
+):
+    # No KV-event index and the rendezvous hash of 4 blocks: the weakest exact signal, so that the
+    # near-miss fallback is what finds the shared prefix.
+    config = make_config(
+        sqlite_url, tmp_path, worker_urls=tuple(three_workers), router="rendezvous", kv_index=False
+    )
+    client = await aiohttp_client(create_app(config))
+    base = str(client.make_url("/v1"))
+    near = await create_tenant(client, name="near", near_miss_routing=True)
+    other = await create_tenant(client, name="other", near_miss_routing=True)
+    plain = await create_tenant(client, name="plain")
+    sdk = AsyncOpenAI(base_url=base, api_key=near["api_key"], max_retries=0)
+    sdk_other = AsyncOpenAI(base_url=base, api_key=other["api_key"], max_retries=0)
+    sdk_plain = AsyncOpenAI(base_url=base, api_key=plain["api_key"], max_retries=0)
+    rng = random.Random(11)
+    shared = [rng.randrange(1, 200) for _ in range(3 * BLOCK)]  # then a per-request span at token 48
+
+    def variant() -> list[int]:
+        return shared + [rng.randrange(1, 200) for _ in range(3 * BLOCK)]
+
+    first = await complete(sdk, variant())
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    moved = [await complete(sdk, variant()) for _ in range(5)]
+    assert all(u["prompt_tokens_details"]["cached_tokens"] >= 3 * BLOCK for u in moved), moved
+    assert sum(u["prefixgate"]["near_miss_tokens"] for u in moved) >= 3 * BLOCK  # some moved for it
+
+    # Another near-miss tenant with the very same shared tokens: its namespace holds nothing similar
+    # yet, so it is not moved to the first tenant's worker and reuses nothing.
+    registry = client.app[METRICS].registry
+
+    def moves() -> float:
+        return registry.get_sample_value("prefixgate_near_miss_routes_total", {"outcome": "moved"}) or 0.0
+
+    moved_before = moves()
+    usage = await complete(sdk_other, variant())
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prefixgate"]["near_miss_tokens"] == 0 and moves() == moved_before
+    # A tenant that did not opt in is never embedded or indexed.
+    assert (await complete(sdk_plain, variant()))["prefixgate"]["near_miss_tokens"] == 0
+    assert NEAR_MISS in client.app and client.app[NEAR_MISS].findings(plain["id"]) == []
+
+    # The diverging span is reported to the tenant (prompt lint) and to admins, never to others.
+    lint = await client.post(
+        "/v1/prompt-lint",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {near['api_key']}"},
+    )
+    findings = (await lint.json())["near_miss_findings"]
+    assert findings and findings[0]["position_token"] == 3 * BLOCK
+    admin = await (await client.get(f"/admin/v1/tenants/{near['id']}/near-miss", headers=ADMIN)).json()
+    assert admin["data"] == findings
+    assert client.app[NEAR_MISS].findings(other["id"]) == []
+    metrics = client.app[METRICS].render()[0].decode()
+    assert 'prefixgate_near_miss_routes_total{outcome="moved"}' in metrics
+    for s in (sdk, sdk_other, sdk_plain):
+        await s.close()

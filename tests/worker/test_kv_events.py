@@ -1,0 +1,101 @@
+"""KV events: the ring log, the block manager's hooks, and ``GET /v1/kv_events`` on a real worker."""
+
+import aiohttp
+import pytest
+
+from policies.hashing import BlockHash, NamespaceSegment, block_hashes
+from tests.worker_process import worker_process
+from worker.block_manager import BlockManager
+from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, attach
+
+KEY = "00112233445566778899aabbccddeeff"
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(bytes([i]) * 32)
+
+
+def test_log_replays_from_any_sequence_number_and_resets_when_the_ring_lost_events():
+    log = KVEventLog(capacity_events=4)
+    for i in range(3):
+        log.stored("L1", h(i), None if i == 0 else h(i - 1), "t-a")
+    assert [e.seq for e in log.since(0).events] == [1, 2, 3]
+    assert [e.seq for e in log.since(2).events] == [3]
+    assert log.since(3).events == [] and not log.since(3).reset
+    log.removed("L1", h(2))
+    log.removed("L1", h(1))  # seq 5: seq 1 falls out of the ring
+    batch = log.since(0)
+    assert batch.reset and batch.last_seq == 5
+    assert not log.since(1).reset and [e.seq for e in log.since(1).events] == [2, 3, 4, 5]
+    assert log.since(9).reset  # a consumer ahead of the log: the worker restarted
+    assert [e.seq for e in log.since(1, max_events=2).events] == [2, 3]
+
+
+def test_block_manager_publishes_stores_evictions_and_purges():
+    log = KVEventLog()
+    bm = BlockManager(2, 4, eviction_policy="lru")
+    attach(log, bm, "L1")
+    first = bm.allocate("t-a")
+    assert bm.cache(first, h(1), [1, 2, 3, 4], None, namespace_id="t-a", position=0)
+    second = bm.allocate("t-a")
+    assert bm.cache(second, h(2), [5, 6, 7, 8], h(1), namespace_id="t-a", position=1)
+    bm.release([first, second])
+    stored = log.since(0).events
+    assert [(e.kind, e.block_hash, e.parent_hash, e.namespace_id) for e in stored] == [
+        (BLOCK_STORED, h(1), None, "t-a"),
+        (BLOCK_STORED, h(2), h(1), "t-a"),
+    ]
+    bm.allocate("t-b")  # the pool is full: the leaf h(2) is evicted
+    assert [(e.kind, e.block_hash) for e in log.since(2).events] == [(BLOCK_REMOVED, h(2))]
+    assert bm.purge("t-a") == 1
+    assert [(e.kind, e.block_hash, e.medium) for e in log.since(3).events] == [(BLOCK_REMOVED, h(1), "L1")]
+
+
+@pytest.fixture(scope="module")
+def worker_url(tmp_path_factory):
+    log = tmp_path_factory.mktemp("kv-events-worker") / "worker.log"
+    with worker_process("--model", "random-tiny", "--num-blocks", "64", log_path=log) as url:
+        yield url
+
+
+async def events(session: aiohttp.ClientSession, url: str, **query) -> tuple[int, dict]:
+    async with session.get(f"{url}/v1/kv_events", params={k: str(v) for k, v in query.items()}) as r:
+        return r.status, await r.json()
+
+
+async def test_worker_streams_namespaced_block_events_with_replay(worker_url):
+    prompt = list(range(100, 140))  # 2 full blocks of 16
+    payload = {
+        "request_id": "kv-1",
+        "prompt_token_ids": prompt,
+        "namespace": [{"start_token": 0, "namespace_id": "t-kv", "key": KEY}],
+        "sampling": {"max_tokens": 2, "temperature": 0, "ignore_eos": True},
+    }
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{worker_url}/v1/info") as r:
+            info = await r.json()
+        _, before = await events(s, worker_url, since=0)
+        start = before["last_seq"]
+        async with s.post(f"{worker_url}/v1/generate", json=payload) as r:
+            assert r.status == 200
+        status, body = await events(s, worker_url, since=start, wait_ms=2000)
+        assert status == 200 and body["worker_id"] == info["worker_id"] and not body["reset"]
+        segments = [NamespaceSegment(start_token=0, namespace_id="t-kv", key=bytes.fromhex(KEY))]
+        expected = block_hashes(prompt, 16, bytes.fromhex(info["model_fingerprint"]), segments)
+        stored = [e for e in body["events"] if e["type"] == BLOCK_STORED and e["namespace_id"] == "t-kv"]
+        assert [e["block_hashes"][0] for e in stored[:2]] == [x.hex() for x in expected]
+        assert stored[0]["parent_block_hash"] is None and stored[1]["parent_block_hash"] == expected[0].hex()
+        assert all(e["medium"] == "L1" for e in stored)
+        assert [e["seq"] for e in body["events"]] == list(range(start + 1, body["last_seq"] + 1))
+        assert set(body["load"]) >= {"num_running", "num_waiting", "queued_prefill_tokens"}
+        _, again = await events(s, worker_url, since=start)  # replay after a reconnect: the same events
+        assert again["events"] == body["events"]
+        _, idle = await events(s, worker_url, since=body["last_seq"], wait_ms=50)
+        assert idle["events"] == [] and not idle["reset"]
+        async with s.post(f"{worker_url}/v1/purge", json={"namespace_id": "t-kv"}) as r:
+            assert r.status == 200
+        _, purged = await events(s, worker_url, since=body["last_seq"], wait_ms=2000)
+        removed = {e["block_hashes"][0] for e in purged["events"] if e["type"] == BLOCK_REMOVED}
+        assert {x.hex() for x in expected} <= removed
+        status, bad = await events(s, worker_url, since="x")
+        assert status == 400 and bad["error"]["param"] == "since"
