@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway import openai_api
+from gateway import openai_api, request_id
 from gateway.admin_api import create_admin_app
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
+from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
@@ -36,6 +37,7 @@ from gateway.state import (
     RATE_LIMITER,
     REPOSITORY,
     SESSIONMAKER,
+    UNKNOWN_FIELDS,
     USAGE_WRITER,
     WORKER_POOL,
 )
@@ -174,8 +176,11 @@ def create_app(config: GatewayConfig) -> web.Application:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
     if not config.namespace_salt:
         raise ValueError("no namespace salt configured (prepare_data_dir generates one)")
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    middlewares = [request_id.request_id_middleware, error_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(request_id.add_request_id_header)
     app[CONFIG] = config
+    app[UNKNOWN_FIELDS] = UnknownFields()
     app[METRICS] = GatewayMetrics()
     app[CANONICALIZER] = CanonicalizationStep()
     app.cleanup_ctx.extend([rate_limit_ctx, database_ctx, usage_ctx, promotion_ctx, workers_ctx])

@@ -14,7 +14,9 @@ from aiohttp import web
 from gateway import openai_format
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import PreparedRequest, new_request_id
+from gateway.pipeline import PreparedRequest
+from gateway.pipeline import new_request_id as new_completion_id
+from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
 from gateway.state import (
     CANONICALIZER,
@@ -22,6 +24,7 @@ from gateway.state import (
     PIPELINE,
     POLICY_CACHE,
     RATE_LIMITER,
+    UNKNOWN_FIELDS,
     USAGE_WRITER,
     WORKER_POOL,
 )
@@ -59,7 +62,9 @@ class TenantCall:
 
     tenant: TenantPolicy
     endpoint: str
-    request_id: str
+    request_id: str  # the x-request-id (the client's or generated): logs, error bodies, usage record
+    completion_id: str  # the response's "id" and the worker's request id (always server-generated)
+    usage_key: str  # the usage record's unique key (gateway.request_id.usage_key)
     model: str = ""
     status: int = 200
     num_prompt_tokens: int = 0  # known before the worker answers
@@ -70,7 +75,14 @@ class TenantCall:
 @contextlib.asynccontextmanager
 async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[TenantCall]:
     tenant = authenticate(request)
-    call = TenantCall(tenant=tenant, endpoint=endpoint, request_id=new_request_id(endpoint))
+    x_request_id = request_id_of(request) or new_request_id()
+    call = TenantCall(
+        tenant=tenant,
+        endpoint=endpoint,
+        request_id=x_request_id,
+        completion_id=new_completion_id(endpoint),
+        usage_key=usage_key(x_request_id, request_id_generated(request)),
+    )
     started = time.perf_counter()
     try:
         await check_rate_limit(request, tenant)
@@ -110,7 +122,7 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
     usage = call.usage or {}
     by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
     event = UsageEvent(
-        request_id=call.request_id,
+        request_id=call.usage_key,
         tenant_id=call.tenant.tenant_id,
         model=call.model,
         endpoint=call.endpoint,
@@ -143,8 +155,15 @@ async def _serve(
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
     call.model = parsed.model
+    request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
     started = time.perf_counter()
-    prepared = await pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
+    prepared = await pipeline.prepare(
+        call.tenant,
+        parsed,
+        endpoint=call.endpoint,
+        request_id=call.completion_id,
+        x_request_id=call.request_id,
+    )
     request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     call.prepared = prepared
@@ -182,7 +201,7 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
                 event = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.status = exc.status
-            await response.write(writer.error(exc.to_json()))
+            await response.write(writer.error(exc.to_json(call.request_id)))
         await response.write(writer.done())
         await response.write_eof()
     return response

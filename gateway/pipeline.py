@@ -96,6 +96,7 @@ class PreparedRequest:
     num_canonicalized: int = 0  # fragments moved (the x-prefixgate-canonicalized header)
     num_reported: int = 0  # fragments found and left in place ("report" mode)
     promoted_prefix_tokens: int = 0  # tokens hashed in the global namespace as a promoted hot prefix
+    x_request_id: str = ""  # the client-facing request id (gateway.request_id), for the worker's logs
 
     def worker_payload(self) -> dict[str, Any]:
         s = self.sampling
@@ -120,10 +121,26 @@ class PreparedRequest:
                 "stop": list(s.stop),
                 "stop_token_ids": [],
                 "ignore_eos": s.ignore_eos,
+                **sampling_extras(s),
             },
             "stream": self.stream,
+            "x_request_id": self.x_request_id,
             "cache": True,
         }
+
+
+def sampling_extras(s: SamplingParams) -> dict[str, Any]:
+    """Penalties, logit bias and logprobs for the worker; left out at their defaults."""
+    extras: dict[str, Any] = {}
+    if s.presence_penalty:
+        extras["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        extras["frequency_penalty"] = s.frequency_penalty
+    if s.logit_bias:
+        extras["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.logprobs:
+        extras["logprobs"] = s.top_logprobs
+    return extras
 
 
 def new_request_id(endpoint: str) -> str:
@@ -267,6 +284,7 @@ class RequestPipeline:
         *,
         endpoint: str,
         request_id: str,
+        x_request_id: str = "",
     ) -> PreparedRequest:
         model = self.resolve_model(request.model)
         prompt = self.render(tenant, request, model)
@@ -289,6 +307,7 @@ class RequestPipeline:
             num_canonicalized=prompt.num_moved,
             num_reported=prompt.num_reported,
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
+            x_request_id=x_request_id,
         )
 
     def _abort_later(self, prepared: PreparedRequest) -> None:

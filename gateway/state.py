@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
@@ -32,3 +33,4 @@ PIPELINE = web.AppKey("pipeline", RequestPipeline)
 CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)
 PROMOTION = web.AppKey("promotion", HotPrefixPromotion)
+UNKNOWN_FIELDS = web.AppKey("unknown_fields", UnknownFields)  # logged once per field name

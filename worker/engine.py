@@ -23,6 +23,7 @@ import torch
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.config import WorkerConfig
+from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
@@ -48,6 +49,7 @@ class RequestOutput:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None  # set on the final output
     error: str | None = None  # set when the engine failed the request
+    logprobs: list[dict[str, Any]] | None = None  # TokenLogprob.to_json of the new tokens, when asked
 
 
 @dataclass(slots=True)
@@ -192,6 +194,8 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {vocab})")
         if sampling.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
+        if any(not (0 <= token < vocab) for token, _ in sampling.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -393,11 +397,16 @@ class Engine:
             if seq.timings.first_token_s is None:
                 seq.timings.first_token_s = now
                 self.counters["cached_tokens_total"] += seq.num_cached_tokens
-            self._append_token(seq, token)
+            self._append_token(seq, token, result.logprobs.get(seq))
         return True
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         self.counters["generated_tokens_total"] += 1
+        # A token that ends the request without text (EOS, a stop token) has no logprob entry, as OpenAI.
+        ends_silently = token in seq.sampling.stop_token_ids or (
+            token in self.tokenizer.eos_token_ids and not seq.sampling.ignore_eos
+        )
+        logprobs = [logprob.to_json()] if logprob is not None and not ends_silently else None
         reason = append_token(
             seq, token, eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len
         )
@@ -405,7 +414,9 @@ class Engine:
         handle = self._handles.get(seq.request_id)
         if reason is None:
             if handle is not None:
-                handle.push(RequestOutput(request_id=seq.request_id, text=delta, token_ids=[token]))
+                handle.push(
+                    RequestOutput(request_id=seq.request_id, text=delta, token_ids=[token], logprobs=logprobs)
+                )
             return
         self.scheduler.finish(seq, reason)
         self._sequences.pop(seq.request_id, None)
@@ -421,6 +432,7 @@ class Engine:
                     finished=True,
                     finish_reason=reason,
                     usage=final,
+                    logprobs=logprobs,
                 )
             )
 

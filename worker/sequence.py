@@ -20,6 +20,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
 
 
 class Status(enum.Enum):

@@ -120,23 +120,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
     )
     if req.stream:
         return await _stream(request, req.request_id, outputs)
-    text, token_ids = [], []
+    text, token_ids, logprobs = [], [], []
     async for out in outputs:
         if out.error:
+            log.warning("%s (x-request-id %s) failed: %s", req.request_id, req.x_request_id, out.error)
             body = error_body(out.error, kind="server_error", code="engine_error")
             return web.json_response(body, status=503)
         text.append(out.text)
         token_ids += out.token_ids
+        logprobs += out.logprobs or []
         if out.finished:
-            return web.json_response(
-                {
-                    "request_id": req.request_id,
-                    "text": "".join(text),
-                    "token_ids": token_ids,
-                    "finish_reason": out.finish_reason,
-                    "usage": out.usage,
-                }
-            )
+            result = {
+                "request_id": req.request_id,
+                "text": "".join(text),
+                "token_ids": token_ids,
+                "finish_reason": out.finish_reason,
+                "usage": out.usage,
+            }
+            if req.sampling.logprobs is not None:
+                result["logprobs"] = logprobs
+            return web.Response(body=orjson.dumps(result), content_type="application/json")
     raise web.HTTPInternalServerError(reason="request ended without a result")
 
 
@@ -157,6 +160,8 @@ async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[
                 }
             else:
                 line = {"type": "delta", "text": out.text, "token_ids": out.token_ids}
+            if out.logprobs:
+                line["logprobs"] = out.logprobs
             await response.write(orjson.dumps(line) + b"\n")
     except (ConnectionResetError, ConnectionError):
         # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.
