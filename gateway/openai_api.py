@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import openai_format
+from gateway import choices, openai_format
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import PreparedRequest
@@ -147,7 +147,7 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
 
 
-Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]
+Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
 
 
 async def _serve(
@@ -167,11 +167,12 @@ async def _serve(
     request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     call.prepared = prepared
+    choices.check_sampling(prepared)
     if prepared.stream:
         return await _stream(request, call, prepared)
-    result = await pipeline.generate(prepared)
-    call.usage = result.get("usage")
-    return openai_format.json_response(formatter(prepared, result), headers=_headers(prepared))
+    results = await choices.generate_choices(pipeline, prepared)
+    call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
+    return openai_format.json_response(formatter(prepared, results), headers=_headers(prepared))
 
 
 def _headers(prepared: PreparedRequest) -> dict[str, str]:
@@ -182,8 +183,9 @@ def _headers(prepared: PreparedRequest) -> dict[str, str]:
 
 async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
     writer = openai_format.ChunkWriter(prepared)
-    async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
-        event = await anext(events, None)  # errors before the first token are plain HTTP errors
+    pipeline = request.config_dict[PIPELINE]
+    async with contextlib.aclosing(choices.choice_events(pipeline, prepared)) as events:
+        item = await anext(events, None)  # errors before the first token are plain HTTP errors
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(prepared)}
         )
@@ -191,14 +193,19 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
         first = writer.first()
         if first is not None:
             await response.write(first)
+        usages: dict[int, dict[str, Any]] = {}
         try:
-            while event is not None:
-                if event.get("text"):  # the final event may carry the last token's text too
-                    await response.write(writer.delta(event["text"]))
+            while item is not None:
+                index, event = item
+                if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
+                    await response.write(writer.delta(event.get("text") or "", index, event.get("logprobs")))
                 if event.get("type") == "final":
-                    call.usage = event.get("usage") or {}
-                    await response.write(writer.final(event.get("finish_reason", "stop"), call.usage))
-                event = await anext(events, None)
+                    usages[index] = event.get("usage") or {}
+                    last = len(usages) == prepared.sampling.n
+                    call.usage = choices.combined_usage([usages[i] for i in sorted(usages)])
+                    reason = event.get("finish_reason", "stop")
+                    await response.write(writer.final(reason, call.usage if last else None, index))
+                item = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.status = exc.status
             await response.write(writer.error(exc.to_json(call.request_id)))

@@ -8,6 +8,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.choices import combined_usage
+from gateway.logprobs_format import chat_logprobs, completion_logprobs
 from gateway.pipeline import PreparedRequest
 
 TIERS = ("l1", "l2", "l3", "remote")
@@ -51,41 +53,57 @@ def system_fingerprint(prepared: PreparedRequest) -> str:
     return "fp_" + prepared.model.info.model_fingerprint[:12]
 
 
-def chat_completion(prepared: PreparedRequest, result: dict[str, Any]) -> dict[str, Any]:
+def _wants_logprobs(prepared: PreparedRequest) -> bool:
+    return prepared.sampling.logprobs
+
+
+def chat_completion(prepared: PreparedRequest, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat completion with one choice per worker result (``n``)."""
+    model = prepared.model
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": result.get("text", ""), "refusal": None},
+            "logprobs": chat_logprobs(model, result.get("logprobs") or [])
+            if _wants_logprobs(prepared)
+            else None,
+            "finish_reason": result.get("finish_reason", "stop"),
+        }
+        for index, result in enumerate(results)
+    ]
     return {
         "id": prepared.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": prepared.model.model_id,
         "system_fingerprint": system_fingerprint(prepared),
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.get("text", ""), "refusal": None},
-                "logprobs": None,
-                "finish_reason": result.get("finish_reason", "stop"),
-            }
-        ],
-        "usage": usage_json(prepared, result.get("usage") or {}),
+        "choices": choices,
+        "usage": usage_json(prepared, combined_usage([r.get("usage") or {} for r in results])),
     }
 
 
-def completion(prepared: PreparedRequest, result: dict[str, Any]) -> dict[str, Any]:
+def completion(prepared: PreparedRequest, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A text completion with one choice per worker result (``n``)."""
+    model = prepared.model
+    choices = [
+        {
+            "index": index,
+            "text": result.get("text", ""),
+            "logprobs": completion_logprobs(model, result.get("logprobs") or [])
+            if _wants_logprobs(prepared)
+            else None,
+            "finish_reason": result.get("finish_reason", "stop"),
+        }
+        for index, result in enumerate(results)
+    ]
     return {
         "id": prepared.request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": prepared.model.model_id,
         "system_fingerprint": system_fingerprint(prepared),
-        "choices": [
-            {
-                "index": 0,
-                "text": result.get("text", ""),
-                "logprobs": None,
-                "finish_reason": result.get("finish_reason", "stop"),
-            }
-        ],
-        "usage": usage_json(prepared, result.get("usage") or {}),
+        "choices": choices,
+        "usage": usage_json(prepared, combined_usage([r.get("usage") or {} for r in results])),
     }
 
 
@@ -102,36 +120,56 @@ class ChunkWriter:
             "model": prepared.model.model_id,
             "system_fingerprint": system_fingerprint(prepared),
         }
+        self._text_len = [0] * prepared.sampling.n  # characters sent per choice (completions' text_offset)
 
     @staticmethod
     def sse(data: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def _choice(
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        *,
+        role: bool = False,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        wanted = self._prepared.sampling.logprobs and logprobs is not None
         if not self._chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            offset = self._text_len[index]
+            self._text_len[index] += len(text or "")
+            lp = completion_logprobs(self._prepared.model, logprobs, offset) if wanted else None
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        lp = chat_logprobs(self._prepared.model, logprobs) if wanted else None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
     def first(self) -> bytes | None:
-        """The opening chat chunk carrying the role (completions have none)."""
+        """The opening chat chunk of each choice, carrying the role (completions have none)."""
         if not self._chat:
             return None
-        return self.sse({**self._base, "choices": [self._choice("", None, role=True)]})
+        n = self._prepared.sampling.n
+        return b"".join(
+            self.sse({**self._base, "choices": [self._choice(i, "", None, role=True)]}) for i in range(n)
+        )
 
-    def delta(self, text: str) -> bytes:
-        return self.sse({**self._base, "choices": [self._choice(text, None)]})
+    def delta(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+        return self.sse({**self._base, "choices": [self._choice(index, text, None, logprobs=logprobs)]})
 
-    def final(self, finish_reason: str, usage: dict[str, Any]) -> bytes:
-        """The finishing chunk, then the usage: in its own chunk with ``choices: []`` when the client asked
-        with ``stream_options.include_usage``, else on the finishing chunk itself, so the last chunk
-        always carries ``usage.prompt_tokens_details.cached_tokens``."""
+    def final(self, finish_reason: str, usage: dict[str, Any] | None, index: int = 0) -> bytes:
+        """A choice's finishing chunk; with ``usage`` (the last choice to finish), the usage follows: in
+        its own chunk with ``choices: []`` when the client asked with ``stream_options.include_usage``,
+        else on the finishing chunk itself, so the last chunk always carries
+        ``usage.prompt_tokens_details.cached_tokens``."""
+        finish = {**self._base, "choices": [self._choice(index, None if self._chat else "", finish_reason)]}
+        if usage is None:
+            return self.sse(finish)
         usage_body = usage_json(self._prepared, usage)
-        finish = {**self._base, "choices": [self._choice(None if self._chat else "", finish_reason)]}
         if not self._prepared.include_usage:
             return self.sse({**finish, "usage": usage_body})
         return self.sse(finish) + self.sse({**self._base, "choices": [], "usage": usage_body})
