@@ -1,4 +1,5 @@
-"""``n`` choices of one request: ``n`` worker generations that share the prompt's cached prefix.
+"""Model-dependent checks of a request, and its ``n`` choices: ``n`` worker generations sharing the
+prompt's cached prefix.
 
 Choice 0 starts first; the others start once it produced its first token, when the prompt's full blocks
 are in the worker's prefix cache, so they reuse them instead of prefilling the prompt ``n`` times. All
@@ -15,15 +16,24 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest, RequestPipeline
+from gateway.schemas import ChatRequest, CompletionRequest
 
 _DONE = object()
 
 
-def check_sampling(prepared: PreparedRequest) -> None:
-    """What only the model can tell: ``logit_bias`` ids must be in its vocabulary."""
-    vocab = prepared.model.vocab_size
-    bad = [token for token, _ in prepared.sampling.logit_bias if token >= vocab]
+def check_model_support(model: ModelRuntime, request: ChatRequest | CompletionRequest) -> None:
+    """What only the model can tell: its chat template must render ``tools`` (else they would be
+    dropped silently) and ``logit_bias`` ids must be in its vocabulary."""
+    if isinstance(request, ChatRequest) and request.tools and not model.supports_tools:
+        raise InvalidRequest(
+            f"the chat template of model '{model.model_id}' does not support tools",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    vocab = model.vocab_size
+    bad = [token for token, _ in request.sampling.logit_bias if token >= vocab]
     if bad:
         raise InvalidRequest(
             f"'logit_bias' token id {bad[0]} is outside the vocabulary (size {vocab})",

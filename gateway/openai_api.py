@@ -156,6 +156,7 @@ async def _serve(
     pipeline = request.config_dict[PIPELINE]
     call.model = parsed.model
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
+    choices.check_model_support(pipeline.resolve_model(parsed.model), parsed)
     started = time.perf_counter()
     prepared = await pipeline.prepare(
         call.tenant,
@@ -167,7 +168,6 @@ async def _serve(
     request.config_dict[METRICS].prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     call.prepared = prepared
-    choices.check_sampling(prepared)
     if prepared.stream:
         return await _stream(request, call, prepared)
     results = await choices.generate_choices(pipeline, prepared)

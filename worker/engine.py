@@ -22,7 +22,7 @@ import torch
 
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
 from worker.block_manager import BlockManager, NoFreeBlocksError
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, context_that_fits
 from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -89,6 +89,12 @@ class Engine:
         model = self.loaded.model
         bytes_per_block = kv_bytes_per_block(model, config.block_size, dtype)
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // bytes_per_block)
+        max_model_len = context_that_fits(  # before allocating: a misfit fails the start, saying what to set
+            config,
+            model_context_tokens=self.loaded.config.max_context_tokens,
+            num_blocks=num_blocks,
+            bytes_per_block=bytes_per_block,
+        )
         self.fingerprint = model_fingerprint(self.loaded, dtype, config.block_size)
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, device=self.device
@@ -110,10 +116,7 @@ class Engine:
             store=self.store,
             clock=time.monotonic,
         )
-        capacity_tokens = (num_blocks - 1) * config.block_size
-        self.max_model_len = min(
-            config.max_model_len or 1 << 30, self.loaded.config.max_context_tokens, capacity_tokens
-        )
+        self.max_model_len = max_model_len
         self.bytes_per_block = bytes_per_block
         self.counters: dict[str, int] = {
             "requests_total": 0,

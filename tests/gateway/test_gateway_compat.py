@@ -2,17 +2,24 @@
 penalties, logprobs, n) or refused with a 400 naming them, unknown fields are logged once, and
 x-request-id is echoed, in error bodies, logs and usage records."""
 
+import json
 import logging
+import shutil
 
 import openai
 import pytest
 from openai import AsyncOpenAI
 from sqlalchemy import select
 
+from gateway.app import create_app
+from gateway.model import template_uses_tools
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.models import UsageRecord
-from tests.gateway.conftest import create_tenant
+from tests.gateway.conftest import create_tenant, make_config
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
+from tests.worker_process import worker_process
+from worker.model.loader import BUILTIN_DIR
+from worker.tokenizer import BYTE_CHAT_TEMPLATE
 
 A, B = 65, 66  # byte-level tokenizer of the random-tiny model: token id = byte value
 
@@ -194,3 +201,42 @@ async def test_x_request_id_is_echoed_logged_and_billed(gateway, sdk, caplog):
         keys = list(await session.scalars(select(UsageRecord.request_id)))
     assert any(key.startswith("client-42.a:b#") for key in keys)
     assert generated.headers["x-request-id"] in keys
+
+
+NO_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def no_tools_worker_url(tmp_path_factory):
+    """The built-in model behind a chat template without tools support (as SmolLM2's)."""
+    model_dir = tmp_path_factory.mktemp("no-tools-model")
+    for path in BUILTIN_DIR.iterdir():
+        shutil.copy(path, model_dir / path.name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": NO_TOOLS_TEMPLATE})
+    )
+    log_path = model_dir.parent / "worker.log"
+    with worker_process("--model", str(model_dir), "--max-model-len", "1024", log_path=log_path) as url:
+        yield url
+
+
+async def test_tools_are_refused_by_a_template_without_tools_support(
+    aiohttp_client, sqlite_url, tmp_path, no_tools_worker_url
+):
+    app = create_app(make_config(sqlite_url, tmp_path, worker_urls=(no_tools_worker_url,)))
+    gateway = await aiohttp_client(app)
+    key = (await create_tenant(gateway))["api_key"]
+    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
+    model = (await client.models.list()).data[0].id
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=model, messages=messages(), tools=tools, max_tokens=1)
+    assert refused.value.param == "tools" and "does not support tools" in refused.value.message
+    plain = await client.chat.completions.create(model=model, messages=messages(), max_tokens=1)
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    await client.close()
+    assert template_uses_tools(BYTE_CHAT_TEMPLATE) and not template_uses_tools(NO_TOOLS_TEMPLATE)

@@ -54,7 +54,12 @@ def test_protocol_parses_and_checks_the_new_fields():
     )
     assert params.presence_penalty == 1.0 and params.frequency_penalty == -0.5
     assert params.logit_bias == ((2, -1.0), (7, 10.0)) and params.logprobs == 3
-    for bad in ({"presence_penalty": 3}, {"logit_bias": {"x": 1}}, {"logit_bias": {"1": 101}}, {"logprobs": 21}):
+    for bad in (
+        {"presence_penalty": 3},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"1": 101}},
+        {"logprobs": 21},
+    ):
         with pytest.raises(BadRequest):
             parse_sampling(bad)
 
@@ -92,4 +97,3 @@ async def test_engine_reports_the_greedy_tokens_logprobs(make_engine):
         assert len(entry["top"]) == 3
         assert entry["top"][0][0] == entry["token_id"]  # greedy: the chosen token is the likeliest
         assert entry["logprob"] == pytest.approx(entry["top"][0][1]) and entry["logprob"] <= 0.0
-
