@@ -29,6 +29,7 @@ from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
+from worker.structured import GrammarCompiler, GrammarError
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
@@ -102,6 +103,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefill_tokens_per_s = 0.0
         self.store = self._make_store(bytes_per_block)
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -214,9 +216,13 @@ class Engine:
         segments: list[NamespaceSegment],
         *,
         use_cache: bool = True,
+        matcher: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks."""
+        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
+        ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given)."""
         self.validate(prompt_token_ids, sampling)
+        if matcher is None and sampling.grammar is not None:
+            matcher = self.new_matcher(sampling)
         if request_id in self._handles:
             raise RequestError(f"request id {request_id!r} is already running")
         handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
@@ -228,6 +234,7 @@ class Engine:
             use_cache=use_cache,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
+            matcher=matcher,
         )
         self._handles[request_id] = handle
         self._inbox.put(("add", seq))
@@ -241,6 +248,15 @@ class Engine:
             self._handles.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def new_matcher(self, sampling: SamplingParams) -> Any:
+        """The grammar matcher of a request (None without a grammar); RequestError if it does not compile."""
+        if sampling.grammar is None:
+            return None
+        try:
+            return self.grammars.matcher(sampling.grammar)
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

@@ -16,6 +16,7 @@ from worker.layers.sampler import sample
 from worker.model.llama import LlamaForCausalLM
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
+from worker.structured import advance, mask_logits
 
 
 def kv_cache_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -105,7 +106,11 @@ class ModelRunner:
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
             params = [s.sampling for s in sample_seqs]
             logits = process_logits(logits, params, [s.output_token_ids for s in sample_seqs])
+            if any(s.matcher is not None for s in sample_seqs):
+                mask_logits(logits, [s.matcher for s in sample_seqs])
             tokens = sample(logits, params, [self._generator(s) for s in sample_seqs])
+            for seq, token in zip(sample_seqs, tokens, strict=True):
+                seq.grammar_complete = advance(seq.matcher, token)
             sampled = dict(zip(sample_seqs, tokens, strict=True))
             for seq, entry in zip(sample_seqs, token_logprobs(logits, tokens, params), strict=True):
                 if entry is not None:

@@ -115,6 +115,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
         frequency_penalty=_penalty(raw, "frequency_penalty"),
         logit_bias=_logit_bias(raw),
         logprobs=logprobs,
+        grammar=_optional(raw, "grammar", dict, None),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -115,8 +116,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = parse_generate(await _json(request), engine.config.block_size)
     engine.validate(req.prompt_token_ids, req.sampling)
+    # A bad grammar is a 400 before any streaming starts; compiling drops the GIL, off the event loop.
+    matcher = await asyncio.to_thread(engine.new_matcher, req.sampling) if req.sampling.grammar else None
     outputs = engine.generate(
-        req.request_id, req.prompt_token_ids, req.sampling, req.segments, use_cache=req.use_cache
+        req.request_id,
+        req.prompt_token_ids,
+        req.sampling,
+        req.segments,
+        use_cache=req.use_cache,
+        matcher=matcher,
     )
     if req.stream:
         return await _stream(request, req.request_id, outputs)
