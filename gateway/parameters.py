@@ -71,8 +71,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "response_format",
         {CHAT},
-        '`{"type": "text"}`',
-        "`json_object`, `json_schema` (no constrained decoding yet)",
+        "`text`; `json_object` and `json_schema` by constrained decoding (the answer parses and fits)",
+        "a schema that does not compile",
     ),
     _p("metadata", {CHAT}, "accepted (an object; informational, as OpenAI without `store`)"),
     _p("store", {CHAT}, "`false`", "`true` (completions are never stored)"),

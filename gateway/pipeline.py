@@ -140,6 +140,8 @@ def sampling_extras(s: SamplingParams) -> dict[str, Any]:
         extras["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     if s.logprobs:
         extras["logprobs"] = s.top_logprobs
+    if s.grammar is not None:
+        extras["grammar"] = s.grammar
     return extras
 
 

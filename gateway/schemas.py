@@ -15,6 +15,7 @@ import orjson
 
 from gateway.errors import InvalidRequest
 from gateway.parameters import CHAT, COMPLETIONS, known_names
+from gateway.structured_output import response_format_grammar
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -34,6 +35,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token (completions: its integer ``logprobs``)
+    grammar: dict[str, Any] | None = None  # constrained decoding for the worker (response_format)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,21 +301,8 @@ def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> None:
     )
 
 
-def _response_format(body: Mapping[str, Any]) -> None:
-    value = _opt(body, "response_format", dict, "an object")
-    if value is None or value.get("type") == "text":
-        return
-    if value.get("type") in ("json_object", "json_schema"):
-        raise _unsupported(
-            "response_format",
-            f"'response_format' {value['type']} is not supported yet (no constrained decoding); "
-            "ask for JSON in the prompt instead",
-        )
-    raise InvalidRequest(
-        "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
-        param="response_format",
-        code="invalid_value",
-    )
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    return response_format_grammar(_opt(body, "response_format", dict, "an object"))
 
 
 def _chat_extras(body: Mapping[str, Any]) -> None:
@@ -356,7 +345,9 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise _type_error("tools", "an array of tool objects")
     _tool_choice(body, bool(tools))
-    _response_format(body)
+    grammar = _response_format(body)
+    if grammar is not None:
+        common["sampling"] = replace(common["sampling"], grammar=grammar)
     _chat_extras(body)
     return ChatRequest(
         messages=tuple(_message(raw, index) for index, raw in enumerate(messages)),

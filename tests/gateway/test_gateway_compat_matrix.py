@@ -51,7 +51,13 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "tools": ([TOOL], None),
     "tool_choice": ("auto", "required"),
     "parallel_tool_calls": (False, None),
-    "response_format": ({"type": "text"}, {"type": "json_object"}),
+    "response_format": (
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "n", "schema": {"type": "object", "maxProperties": 0}},
+        },
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nonsense"}}},
+    ),
     "metadata": ({"team": "a"}, None),
     "store": (False, True),
     "service_tier": ("auto", "flex"),
