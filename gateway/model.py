@@ -20,6 +20,8 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, Tokenizer
 
+from gateway.tool_calls import template_tool_style
+
 
 class TemplateError(ValueError):
     """The chat template refused the messages (e.g. ``raise_exception('roles must alternate')``)."""
@@ -121,6 +123,7 @@ class ModelRuntime:
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._template = compile_chat_template(info.chat_template) if info.chat_template else None
         self.supports_tools = bool(info.chat_template) and template_uses_tools(info.chat_template or "")
+        self.tool_style = template_tool_style(info.chat_template)  # how its answers call tools
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from gateway.state import (
     USAGE_WRITER,
     WORKER_POOL,
 )
+from gateway.tool_calls import ToolCallParser, request_tools
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import UsageEvent
 
@@ -156,7 +158,12 @@ async def _serve(
     pipeline = request.config_dict[PIPELINE]
     call.model = parsed.model
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
-    choices.check_model_support(pipeline.resolve_model(parsed.model), parsed)
+    model = pipeline.resolve_model(parsed.model)
+    choices.check_model_support(model, parsed)
+    tools: ToolCallParser | None = None
+    if isinstance(parsed, ChatRequest):
+        parsed, tools = request_tools(parsed, model.tool_style)
+        formatter = functools.partial(openai_format.chat_completion, tools=tools)
     started = time.perf_counter()
     prepared = await pipeline.prepare(
         call.tenant,
@@ -169,7 +176,7 @@ async def _serve(
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
     call.prepared = prepared
     if prepared.stream:
-        return await _stream(request, call, prepared)
+        return await _stream(request, call, prepared, tools)
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
     return openai_format.json_response(formatter(prepared, results), headers=_headers(prepared))
@@ -181,8 +188,10 @@ def _headers(prepared: PreparedRequest) -> dict[str, str]:
     return {CANONICALIZED_HEADER: str(prepared.num_canonicalized)}
 
 
-async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
-    writer = openai_format.ChunkWriter(prepared)
+async def _stream(
+    request: web.Request, call: TenantCall, prepared: PreparedRequest, tools: ToolCallParser | None
+) -> web.StreamResponse:
+    writer = openai_format.ChunkWriter(prepared, tools)
     pipeline = request.config_dict[PIPELINE]
     async with contextlib.aclosing(choices.choice_events(pipeline, prepared)) as events:
         item = await anext(events, None)  # errors before the first token are plain HTTP errors
@@ -198,7 +207,9 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
             while item is not None:
                 index, event = item
                 if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
-                    await response.write(writer.delta(event.get("text") or "", index, event.get("logprobs")))
+                    chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
+                    if chunk:
+                        await response.write(chunk)
                 if event.get("type") == "final":
                     usages[index] = event.get("usage") or {}
                     last = len(usages) == prepared.sampling.n

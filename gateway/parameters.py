@@ -63,11 +63,16 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "tools",
         {CHAT},
-        "rendered by the model's chat template",
+        "rendered by the chat template; calls in the answer (Hermes/Qwen, Llama-3 JSON) parsed into `tool_calls`",
         "models whose chat template has no tools support",
     ),
-    _p("tool_choice", {CHAT}, "`auto`, `none`", "`required` and a named function (not enforced yet)"),
-    _p("parallel_tool_calls", {CHAT}, "accepted (tool calls are not parsed yet: no answer has several)"),
+    _p(
+        "tool_choice",
+        {CHAT},
+        "`auto`, `none` (not parsed); `required` and a named function enforced by constrained decoding",
+        "a function that is not in `tools`",
+    ),
+    _p("parallel_tool_calls", {CHAT}, "`true`; `false` (a forced call is always a single one)"),
     _p(
         "response_format",
         {CHAT},

@@ -49,6 +49,7 @@ class ChatRequest:
     user: str | None
     prompt_cache_key: str | None
     unknown_fields: tuple[str, ...] = ()
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,16 +285,16 @@ def _reject_if_set(body: Mapping[str, Any], names: tuple[str, ...]) -> None:
             raise _unsupported(name, f"'{name}' is not supported by prefixgate")
 
 
-def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> None:
+def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> Any:
+    """``tool_choice`` as sent (``gateway.tool_calls`` enforces required/named); None without tools."""
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
-        return
-    if choice == "required" or isinstance(choice, dict):
-        raise _unsupported(
-            "tool_choice",
-            "'tool_choice' required or a named function cannot be enforced yet "
-            "(no constrained decoding); use 'auto'",
-        )
+        return choice
+    named = isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
+    if choice == "required" or named:
+        if not has_tools:
+            raise InvalidRequest("'tool_choice' requires 'tools'", param="tool_choice", code="invalid_value")
+        return choice
     raise InvalidRequest(
         "'tool_choice' must be 'none', 'auto', 'required' or a named tool",
         param="tool_choice",
@@ -344,7 +345,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     tools = _opt(body, "tools", list, "an array of tools")
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise _type_error("tools", "an array of tool objects")
-    _tool_choice(body, bool(tools))
+    tool_choice = _tool_choice(body, bool(tools))
     grammar = _response_format(body)
     if grammar is not None:
         common["sampling"] = replace(common["sampling"], grammar=grammar)
@@ -352,6 +353,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     return ChatRequest(
         messages=tuple(_message(raw, index) for index, raw in enumerate(messages)),
         tools=tuple(tools) if tools else None,
+        tool_choice=tool_choice,
         unknown_fields=_unknown(body, CHAT),
         **common,
     )

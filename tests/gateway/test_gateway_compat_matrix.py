@@ -49,7 +49,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "prompt_cache_key": ("conversation-1", None),
     "ignore_eos": (True, None),
     "tools": ([TOOL], None),
-    "tool_choice": ("auto", "required"),
+    "tool_choice": ("required", {"type": "function", "function": {"name": "not_offered"}}),
     "parallel_tool_calls": (False, None),
     "response_format": (
         {
