@@ -63,7 +63,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "tools",
         {CHAT},
-        "rendered by the chat template; calls in the answer (Hermes/Qwen, Llama-3 JSON) parsed into `tool_calls`",
+        "rendered by the chat template; calls (Hermes/Qwen, Llama-3 JSON) parsed into `tool_calls`",
         "models whose chat template has no tools support",
     ),
     _p(
