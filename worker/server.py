@@ -127,7 +127,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         matcher=matcher,
     )
     if req.stream:
-        return await _stream(request, req.request_id, outputs)
+        return await _stream(request, f"{req.request_id} (x-request-id {req.x_request_id})", outputs)
     text, token_ids, logprobs = [], [], []
     async for out in outputs:
         if out.error:
@@ -151,7 +151,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     raise web.HTTPInternalServerError(reason="request ended without a result")
 
 
-async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[Any]) -> web.StreamResponse:
+async def _stream(request: web.Request, label: str, outputs: AsyncIterator[Any]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
@@ -173,7 +173,7 @@ async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[
             await response.write(orjson.dumps(line) + b"\n")
     except (ConnectionResetError, ConnectionError):
         # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.
-        log.info("client of %s disconnected", request_id)
+        log.info("client of %s disconnected", label)
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
     await response.write_eof()

@@ -8,7 +8,7 @@ import torch
 from tests.worker.conftest import greedy, prompt_of, run, segments
 from worker.engine import RequestError
 from worker.layers.logits_processors import apply_logit_bias, apply_penalties, token_logprobs
-from worker.protocol import BadRequest, parse_sampling
+from worker.protocol import BadRequest, parse_generate, parse_sampling
 from worker.sequence import SamplingParams
 
 
@@ -54,6 +54,13 @@ def test_protocol_parses_and_checks_the_new_fields():
     )
     assert params.presence_penalty == 1.0 and params.frequency_penalty == -0.5
     assert params.logit_bias == ((2, -1.0), (7, 10.0)) and params.logprobs == 3
+    body = {
+        "request_id": "chatcmpl-1",
+        "prompt_token_ids": [1, 2],
+        "namespace": [{"start_token": 0, "namespace_id": "t", "key": "00" * 16}],
+        "x_request_id": "client-7",
+    }
+    assert parse_generate(body, 16).x_request_id == "client-7"  # the gateway's id, for the worker's logs
     for bad in (
         {"presence_penalty": 3},
         {"logit_bias": {"x": 1}},
