@@ -15,6 +15,7 @@ from aiohttp import web
 from gateway import choices, openai_format
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
@@ -152,17 +153,24 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
 Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
 
 
+async def _for_model(
+    model: ModelRuntime, parsed: ChatRequest | CompletionRequest
+) -> tuple[ChatRequest | CompletionRequest, ToolCallParser | None]:
+    """Model-dependent checks; a chat request's forced tool-call grammar and the parser of its answer."""
+    choices.check_model_support(model, parsed)
+    if not isinstance(parsed, ChatRequest) or not (parsed.tools or parsed.sampling.grammar):
+        return parsed, None
+    return await asyncio.to_thread(request_tools, parsed, model.tool_style)  # compiles schemas: off the loop
+
+
 async def _serve(
     request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
     call.model = parsed.model
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
-    model = pipeline.resolve_model(parsed.model)
-    choices.check_model_support(model, parsed)
-    tools: ToolCallParser | None = None
+    parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
     if isinstance(parsed, ChatRequest):
-        parsed, tools = request_tools(parsed, model.tool_style)
         formatter = functools.partial(openai_format.chat_completion, tools=tools)
     started = time.perf_counter()
     prepared = await pipeline.prepare(

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.errors import InvalidRequest
 from gateway.schemas import ChatRequest
-from gateway.structured_output import check_json_schema
+from gateway.structured_output import check_grammar, check_json_schema
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -209,7 +209,9 @@ class ToolCallStream:
 
 def request_tools(request: ChatRequest, tool_style: str) -> tuple[ChatRequest, ToolCallParser | None]:
     """The request with its forced-call grammar (``tool_choice`` required/named), and the parser of its
-    answer (None: no tools, or ``tool_choice: "none"``)."""
+    answer (None: no tools, or ``tool_choice: "none"``). Compiles the grammars' schemas to check them:
+    run it off the event loop."""
+    check_grammar(request.sampling.grammar)
     if not request.tools or request.tool_choice == "none":
         return request, None
     parser = ToolCallParser(style=tool_style, names=tool_names(request.tools))
