@@ -290,7 +290,8 @@ def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> Any:
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return choice
-    named = isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = isinstance(function, dict) and isinstance(function.get("name"), str)
     if choice == "required" or named:
         if not has_tools:
             raise InvalidRequest("'tool_choice' requires 'tools'", param="tool_choice", code="invalid_value")

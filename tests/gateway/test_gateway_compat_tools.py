@@ -5,9 +5,20 @@ import json
 
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI
 
-from gateway.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser, ToolCallStream, template_tool_style
+from gateway.errors import InvalidRequest
+from gateway.schemas import parse_chat
+from gateway.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    ToolCallParser,
+    ToolCallStream,
+    request_tools,
+    template_tool_style,
+)
 from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
 
@@ -147,3 +158,40 @@ async def test_auto_leaves_free_text_alone_and_bad_choices_are_400(sdk):
     with pytest.raises(openai.BadRequestError) as no_tools:
         await sdk.chat.completions.create(model=MODEL, messages=messages(), tool_choice="required")
     assert no_tools.value.param == "tool_choice"
+
+
+leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.text(max_size=6)
+    | st.sampled_from(["object", "string", "integer", "array", "get_weather", "#/$defs/x", "^(a|b)*$"])
+)
+schema_keys = st.sampled_from(["type", "properties", "items", "anyOf", "$ref", "pattern", "enum", "required"])
+json_like = st.recursive(
+    leaves,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(schema_keys | st.text(max_size=4), c, max_size=3),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parameters=json_like,
+    name=st.sampled_from(["get_weather", "", 7]),
+    tool_choice=st.sampled_from(["auto", "none", "required"]) | json_like,
+    response_format=json_like,
+)
+def test_tool_and_schema_handling_ends_in_a_request_or_a_400(parameters, name, tool_choice, response_format):
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": name, "parameters": parameters}}],
+        "tool_choice": tool_choice,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": response_format}},
+    }
+    for candidate in (body, {**body, "response_format": None}):
+        try:
+            request_tools(parse_chat(candidate), HERMES)
+        except InvalidRequest as exc:
+            assert exc.param and exc.message

@@ -104,3 +104,9 @@ async def test_engine_reports_the_greedy_tokens_logprobs(make_engine):
         assert len(entry["top"]) == 3
         assert entry["top"][0][0] == entry["token_id"]  # greedy: the chosen token is the likeliest
         assert entry["logprob"] == pytest.approx(entry["top"][0][1]) and entry["logprob"] <= 0.0
+
+
+def test_masked_tokens_are_not_offered_as_alternatives():
+    logits = torch.tensor([[0.0, float("-inf"), float("-inf"), 1.0]])
+    (entry,) = token_logprobs(logits, [3], [SamplingParams(logprobs=4)])
+    assert entry is not None and [token for token, _ in entry.top] == [3, 0]

@@ -77,6 +77,7 @@ def token_logprobs(
         k = params[row].logprobs or 0
         top: tuple[tuple[int, float], ...] = ()
         if k and top_values is not None and top_ids is not None:
-            top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
+            pairs = zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True)
+            top = tuple((t, v) for t, v in pairs if v != float("-inf"))  # masked tokens are no alternative
         result[row] = TokenLogprob(token_id=tokens[row], logprob=chosen_list[i], top=top)
     return result
