@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from tests.worker.conftest import prompt_of, run
 from worker.engine import RequestError
@@ -49,3 +50,25 @@ async def test_a_grammar_that_does_not_compile_is_refused(make_engine):
         await run(engine, "bad", prompt_of(1, 10), params=bad)
     with pytest.raises(RequestError, match=r"grammar\.type"):
         await run(engine, "bad2", prompt_of(1, 10), params=SamplingParams(grammar={"type": "xml"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_sampling_features_on_cuda(make_engine):
+    """Penalties, logit bias, logprobs and the grammar mask with logits on the device."""
+    engine = make_engine(device="cuda", dtype="bfloat16")
+    biased = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias=((65, 100.0),), logprobs=2
+    )
+    tokens, _, _ = await run(engine, "bias", prompt_of(2, 20), params=biased)
+    assert tokens == [65] * 6
+    penalised = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=((66, 8.0),), frequency_penalty=2.0
+    )
+    tokens, _, _ = await run(engine, "pen", prompt_of(3, 20), params=penalised)
+    assert 0 < tokens.count(66) < 12
+    constrained = SamplingParams(
+        max_tokens=200, temperature=1.0, seed=1, grammar={"type": "json_schema", "schema": SCHEMA}
+    )
+    _, _, text = await run(engine, "json", prompt_of(4, 20), params=constrained)
+    assert set(json.loads(text)) == {"city", "population"}
