@@ -86,6 +86,10 @@ def mask_logits(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | 
             continue
         allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
         width = min(allowed.numel(), logits.shape[-1])
+        if not bool(allowed[:width].any()):
+            # Nothing allowed (should not happen: a complete grammar stops the request): leave the row
+            # as is rather than sample from all -inf; ``advance`` then ends the request, alone.
+            continue
         forbidden = torch.ones(logits.shape[-1], dtype=torch.bool)
         forbidden[:width] = allowed[:width] == 0
         logits[row].masked_fill_(forbidden.to(logits.device), float("-inf"))

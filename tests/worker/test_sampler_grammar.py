@@ -72,3 +72,19 @@ async def test_sampling_features_on_cuda(make_engine):
     )
     _, _, text = await run(engine, "json", prompt_of(4, 20), params=constrained)
     assert set(json.loads(text)) == {"city", "population"}
+
+
+def test_a_row_whose_grammar_allows_nothing_is_left_alone():
+    """Masking a row to all -inf would make sampling fail for the whole batch (every tenant in it)."""
+    from worker.structured import mask_logits
+
+    class Exhausted:
+        def is_error(self) -> bool:
+            return False
+
+        def compute_logit_bias(self) -> bytes:
+            return bytes(4)
+
+    logits = torch.zeros(2, 4)
+    mask_logits(logits, [Exhausted(), None])
+    assert torch.isfinite(logits).all()
