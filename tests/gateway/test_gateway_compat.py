@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.model import template_uses_tools
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.models import UsageRecord
-from tests.gateway.conftest import create_tenant, make_config
+from tests.gateway.conftest import ADMIN, create_tenant, make_config
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
 from tests.worker_process import worker_process
 from worker.model.loader import BUILTIN_DIR
@@ -196,6 +196,14 @@ async def test_x_request_id_is_echoed_logged_and_billed(gateway, sdk, caplog):
     with pytest.raises(openai.BadRequestError) as invalid:
         await sdk.models.list(extra_headers={"x-request-id": "bad id with spaces"})
     assert invalid.value.param == "x-request-id"
+
+    admin = await gateway.get("/admin/v1/tenants", headers={**ADMIN, "x-request-id": "adm-1"})
+    assert admin.status == 200 and admin.headers["x-request-id"] == "adm-1"
+    unknown_route = await gateway.get("/v1/nowhere")
+    assert unknown_route.status == 404 and (await unknown_route.json())["error"]["request_id"].startswith(
+        "req_"
+    )
+    assert unknown_route.headers["x-request-id"] == (await unknown_route.json())["error"]["request_id"]
 
     await gateway.app[USAGE_WRITER].flush()
     async with gateway.app[SESSIONMAKER]() as session:
