@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from gateway import openai_api
+from gateway import openai_api, request_id
 from gateway.admin_api import create_admin_app
 from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
@@ -30,6 +30,7 @@ from gateway.namespace_secret import namespace_secret_ctx
 from gateway.near_miss import NearMissRouting
 from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
+from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
@@ -54,6 +55,7 @@ from gateway.state import (
     RATE_LIMITER,
     REPOSITORY,
     SESSIONMAKER,
+    UNKNOWN_FIELDS,
     USAGE_WRITER,
     WORKER_POOL,
 )
@@ -238,12 +240,16 @@ def create_app(config: GatewayConfig) -> web.Application:
     """The gateway: tenant API, admin API under /admin/v1, /healthz, /metrics, /openapi.json."""
     if config.router not in ROUTERS:
         raise ValueError(f"unknown router {config.router!r}; choose from {sorted(ROUTERS)}")
-    app = web.Application(
-        middlewares=[error_middleware, read_body_middleware(config.read_timeout_s, config.max_body_bytes)],
-        client_max_size=config.max_body_bytes,
-    )
+    middlewares = [
+        request_id.request_id_middleware,
+        error_middleware,
+        read_body_middleware(config.read_timeout_s, config.max_body_bytes),
+    ]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(request_id.add_request_id_header)
     app[STARTED] = weakref.WeakSet()
     app[CONFIG] = config
+    app[UNKNOWN_FIELDS] = UnknownFields()
     app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
     if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
         raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")

@@ -28,7 +28,9 @@ class TenantCall:
 
     tenant: TenantPolicy
     endpoint: str
-    request_id: str
+    request_id: str  # the x-request-id (the client's or generated): logs, error bodies
+    completion_id: str  # the response's "id" and the worker's request id (always server-generated)
+    usage_key: str  # the usage record's unique key (gateway.request_id.usage_key): idempotent writes
     key_id: str | None = None
     end_user: str | None = None  # the request's `user` field
     model: str = ""
@@ -68,7 +70,7 @@ def usage_event(call: TenantCall, prices: Prices) -> UsageEvent:
         usage = {}
     by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
     return UsageEvent(
-        request_id=call.request_id,
+        request_id=call.usage_key,
         tenant_id=call.tenant.tenant_id,
         tenant_name=call.tenant.name,
         key_id=call.key_id,

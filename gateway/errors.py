@@ -9,6 +9,10 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+# The request's x-request-id (gateway.request_id sets both before any handler runs).
+REQUEST_ID = web.RequestKey("request_id", str)
+REQUEST_ID_GENERATED = web.RequestKey("request_id_generated", bool)  # False: the client chose it
+
 
 class APIError(Exception):
     """An error returned to the client as ``{"error": {"message", "type", "param", "code"}}``."""
@@ -40,8 +44,11 @@ class APIError(Exception):
         retry = {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
         return {**self.headers, **retry}
 
-    def to_json(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def to_json(self, request_id: str | None = None) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if request_id is not None:
+            error["request_id"] = request_id  # the x-request-id, for support and log searches
+        return {"error": error}
 
 
 class InvalidRequest(APIError):
@@ -100,8 +107,8 @@ class Unavailable(APIError):
     retry_after_s = 1
 
 
-def error_response(error: APIError) -> web.Response:
-    return web.json_response(error.to_json(), status=error.status, headers=error.response_headers())
+def error_response(error: APIError, request_id: str | None = None) -> web.Response:
+    return web.json_response(error.to_json(request_id), status=error.status, headers=error.response_headers())
 
 
 _HTTP_TYPES = {
@@ -117,13 +124,14 @@ _HTTP_TYPES = {
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    request_id = request.get(REQUEST_ID)
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc)
+        return error_response(exc, request_id)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app._client_max_size
-        return error_response(PayloadTooLarge(f"request body too large (limit {limit} bytes)"))
+        return error_response(PayloadTooLarge(f"request body too large (limit {limit} bytes)"), request_id)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -134,6 +142,7 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
                 "type": _HTTP_TYPES.get(exc.status, "api_error"),
                 "param": None,
                 "code": None,
+                "request_id": request_id,
             }
         }
         return web.Response(
@@ -142,9 +151,15 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
     except ConnectionResetError:
         raise  # the client went away mid-response: nothing to answer, nothing to log as a fault
     except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s (x-request-id %s)", request.method, request.path, request_id)
         body = {
-            "error": {"message": "internal server error", "type": "api_error", "param": None, "code": None}
+            "error": {
+                "message": "internal server error",
+                "type": "api_error",
+                "param": None,
+                "code": None,
+                "request_id": request_id,
+            }
         }
         return web.json_response(body, status=500)
 

@@ -14,10 +14,13 @@ from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, Tokenizer
+
+from gateway.tool_calls import template_tool_style
 
 
 class TemplateError(ValueError):
@@ -56,15 +59,25 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a Hugging Face chat template in a sandbox (templates come from model files)."""
+def template_uses_tools(source: str) -> bool:
+    """Whether a chat template renders ``tools`` at all (Hugging Face templates without tool support
+    never read the variable: tools sent to them would be dropped silently)."""
+    return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a Hugging Face chat template in a sandbox (templates come from model files)."""
+    return _environment().from_string(source)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +122,8 @@ class ModelRuntime:
         self.fingerprint = bytes.fromhex(info.model_fingerprint)
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._template = compile_chat_template(info.chat_template) if info.chat_template else None
+        self.supports_tools = bool(info.chat_template) and template_uses_tools(info.chat_template or "")
+        self.tool_style = template_tool_style(info.chat_template)  # how its answers call tools
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
         # Texts the tokenizer turns into single added (control) tokens, longest first.
         self.added_token_texts: tuple[str, ...] = tuple(

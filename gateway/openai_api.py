@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
-from gateway import openai_format
+from gateway import choices, openai_format
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import PreparedRequest, new_request_id
+from gateway.model import ModelRuntime
+from gateway.pipeline import PreparedRequest
+from gateway.pipeline import new_request_id as new_completion_id
+from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
 from gateway.state import (
     ADMISSION,
@@ -26,9 +30,11 @@ from gateway.state import (
     PIPELINE,
     POLICY_CACHE,
     RATE_LIMITER,
+    UNKNOWN_FIELDS,
     USAGE_WRITER,
     WORKER_POOL,
 )
+from gateway.tool_calls import ToolCallParser, request_tools
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
@@ -73,10 +79,13 @@ def authenticate(request: web.Request) -> TenantPolicy:
 async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[TenantCall]:
     tenant = authenticate(request)
     started = time.perf_counter()
+    x_request_id = request_id_of(request) or new_request_id()
     call = TenantCall(
         tenant=tenant,
         endpoint=endpoint,
-        request_id=new_request_id(endpoint),
+        request_id=x_request_id,
+        completion_id=new_completion_id(endpoint),
+        usage_key=usage_key(x_request_id, request_id_generated(request)),
         key_id=request.config_dict[POLICY_CACHE].key_id(bearer_token(request) or ""),
         started_s=started,
     )
@@ -171,7 +180,17 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
             request.config_dict[PIPELINE].served(call.prepared)
 
 
-Formatter = Callable[[PreparedRequest, dict[str, Any]], dict[str, Any]]
+Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
+
+
+async def _for_model(
+    model: ModelRuntime, parsed: ChatRequest | CompletionRequest
+) -> tuple[ChatRequest | CompletionRequest, ToolCallParser | None]:
+    """Model-dependent checks; a chat request's forced tool-call grammar and the parser of its answer."""
+    choices.check_model_support(model, parsed)
+    if not isinstance(parsed, ChatRequest) or not (parsed.tools or parsed.sampling.grammar):
+        return parsed, None
+    return await asyncio.to_thread(request_tools, parsed, model.tool_style)  # compiles schemas: off the loop
 
 
 async def _serve(
@@ -179,8 +198,18 @@ async def _serve(
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
     call.model, call.end_user = parsed.model, parsed.user
+    request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
+    parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
+    if isinstance(parsed, ChatRequest):
+        formatter = functools.partial(openai_format.chat_completion, tools=tools)
     started = time.perf_counter()
-    prepared = await pipeline.prepare(call.tenant, parsed, endpoint=call.endpoint, request_id=call.request_id)
+    prepared = await pipeline.prepare(
+        call.tenant,
+        parsed,
+        endpoint=call.endpoint,
+        request_id=call.completion_id,
+        x_request_id=call.request_id,
+    )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     call.num_prompt_tokens = len(prepared.prompt_token_ids)
@@ -188,10 +217,10 @@ async def _serve(
     await check_token_limit(request, call, call.num_prompt_tokens + (prepared.sampling.max_tokens or 0))
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:
-        return await _stream(request, call, prepared)
-    result = await pipeline.generate(prepared)
-    call.usage = result.get("usage")
-    return openai_format.json_response(formatter(prepared, result), headers=_headers(call, prepared))
+        return await _stream(request, call, prepared, tools)
+    results = await choices.generate_choices(pipeline, prepared)
+    call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
+    return openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
 
 
 def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
@@ -200,12 +229,15 @@ def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
     return {**call.rate_headers, CANONICALIZED_HEADER: str(prepared.num_canonicalized)}
 
 
-async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequest) -> web.StreamResponse:
-    """Relay the worker's events; counts the completion tokens whose text reached the client (what a
-    cut stream is billed) and says who ended a stream that did not complete."""
-    writer = openai_format.ChunkWriter(prepared)
-    async with contextlib.aclosing(request.config_dict[PIPELINE].stream(prepared)) as events:
-        event = await anext(events, None)  # errors before the first token are plain HTTP errors
+async def _stream(
+    request: web.Request, call: TenantCall, prepared: PreparedRequest, tools: ToolCallParser | None
+) -> web.StreamResponse:
+    """Relay the worker's events (of every choice); counts the completion tokens whose text reached the
+    client (what a cut stream is billed) and says who ended a stream that did not complete."""
+    writer = openai_format.ChunkWriter(prepared, tools)
+    pipeline = request.config_dict[PIPELINE]
+    async with contextlib.aclosing(choices.choice_events(pipeline, prepared)) as events:
+        item = await anext(events, None)  # errors before the first token are plain HTTP errors
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = web.StreamResponse(
             headers={
@@ -219,24 +251,32 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
         first = writer.first()
         if first is not None:
             await response.write(first)
-        held_tokens = 0  # generated, their text not sent yet (held back or an incomplete character)
+        usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
+        held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
-            while event is not None:
-                if event.get("type") != "final" and event.get("usage"):
+            while item is not None:
+                index, event = item
+                if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
                     call.prompt_usage = event["usage"]
-                held_tokens += len(event.get("token_ids") or ())
-                if event.get("text"):  # the final event may carry the last token's text too
-                    await response.write(writer.delta(event["text"]))
-                    call.delivered_tokens, held_tokens = call.delivered_tokens + held_tokens, 0
+                held[index] = held.get(index, 0) + len(event.get("token_ids") or ())
+                if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
+                    chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
+                    if chunk:
+                        await response.write(chunk)
+                        call.delivered_tokens += held.pop(index, 0)
                 if event.get("type") == "final":
-                    usage = event.get("usage") or {}
-                    await response.write(writer.final(event.get("finish_reason", "stop"), usage))
-                    call.delivered_tokens, held_tokens = call.delivered_tokens + held_tokens, 0
-                    call.usage = usage
-                event = await anext(events, None)
+                    usages[index] = event.get("usage") or {}
+                    usage = choices.combined_usage([usages[i] for i in sorted(usages)])
+                    last = len(usages) == prepared.sampling.n
+                    reason = event.get("finish_reason", "stop")
+                    await response.write(writer.final(reason, usage if last else None, index))
+                    call.delivered_tokens += held.pop(index, 0)
+                    if last:  # every choice ended: the worker's usage is what was delivered
+                        call.usage = usage
+                item = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.outcome = OUTCOME_SERVER_ERROR
-            await response.write(writer.error(exc.to_json()))
+            await response.write(writer.error(exc.to_json(call.request_id)))
         except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
             draining = request.config_dict[DRAIN].started
             call.outcome = OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED
@@ -260,7 +300,7 @@ async def _end_for_shutdown(
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-    error = Unavailable("the gateway is shutting down; the answer was cut short").to_json()
+    error = Unavailable("the gateway is shutting down; the answer was cut short").to_json(call.request_id)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(response.write(writer.error(error) + writer.done()), 1.0)
         await asyncio.wait_for(response.write_eof(), 1.0)

@@ -63,7 +63,14 @@ _SAMPLING = {
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": 0, "description": "extension: 0 disables top-k"},
     "max_tokens": {"type": "integer", "minimum": 1},
-    "n": {"type": "integer", "enum": [1]},
+    "n": {"type": "integer", "minimum": 1, "maximum": 8},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "logit_bias": {
+        "type": "object",
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id -> bias added to its logit",
+    },
     "user": {"type": "string"},
     "prompt_cache_key": {"type": "string", "description": "routing hint inside the tenant's namespace"},
     "ignore_eos": {"type": "boolean", "description": "extension: generate exactly max_tokens"},
@@ -149,8 +156,23 @@ def openapi_spec() -> dict[str, Any]:
                 "tools": {
                     "type": "array",
                     "items": {"type": "object"},
-                    "description": "rendered into the prompt",
+                    "description": "rendered into the prompt; calls in the answer parsed into tool_calls",
                 },
+                "tool_choice": {
+                    "oneOf": [
+                        {"type": "string", "enum": ["auto", "none", "required"]},
+                        {
+                            "type": "object",
+                            "description": "a named function, enforced by constrained decoding",
+                        },
+                    ]
+                },
+                "response_format": {
+                    "type": "object",
+                    "description": "text, json_object or json_schema (enforced by constrained decoding)",
+                },
+                "logprobs": {"type": "boolean"},
+                "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
             },
         },
         "CompletionRequest": {
@@ -159,6 +181,7 @@ def openapi_spec() -> dict[str, Any]:
             "properties": {
                 **_SAMPLING,
                 "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
             },
         },
         "Usage": _USAGE,

@@ -131,6 +131,7 @@ class PreparedRequest:
     promoted_prefix_tokens: int = 0  # tokens hashed in the promoted namespace as a promoted hot prefix
     promotion: PromotionMatch = PromotionMatch()  # reported tokens, and what to count once served
     near_miss_exact_tokens: int | None = None  # near-miss route: the exact index's cached tokens there
+    x_request_id: str = ""  # the client-facing request id (gateway.request_id), for the worker's logs
 
     def near_miss_tokens(self, cached_tokens: int) -> int:
         """Cached tokens a near-miss route found beyond what the exact index predicted (0 otherwise)."""
@@ -161,10 +162,28 @@ class PreparedRequest:
                 "stop": list(s.stop),
                 "stop_token_ids": [],
                 "ignore_eos": s.ignore_eos,
+                **sampling_extras(s),
             },
             "stream": self.stream,
+            "x_request_id": self.x_request_id,
             "cache": True,
         }
+
+
+def sampling_extras(s: SamplingParams) -> dict[str, Any]:
+    """Penalties, logit bias and logprobs for the worker; left out at their defaults."""
+    extras: dict[str, Any] = {}
+    if s.presence_penalty:
+        extras["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        extras["frequency_penalty"] = s.frequency_penalty
+    if s.logit_bias:
+        extras["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
+    if s.logprobs:
+        extras["logprobs"] = s.top_logprobs
+    if s.grammar is not None:
+        extras["grammar"] = s.grammar
+    return extras
 
 
 def new_request_id(endpoint: str) -> str:
@@ -373,6 +392,7 @@ class RequestPipeline:
         *,
         endpoint: str,
         request_id: str,
+        x_request_id: str = "",
     ) -> PreparedRequest:
         model = self.resolve_model(request.model)
         self.check_prompt_size(request, model)
@@ -406,6 +426,7 @@ class RequestPipeline:
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
             promotion=promotion,
             near_miss_exact_tokens=near_miss_exact_tokens,
+            x_request_id=x_request_id,
         )
 
     def served(self, prepared: PreparedRequest) -> None:

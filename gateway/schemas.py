@@ -1,7 +1,8 @@
 """Parsing and validation of OpenAI request bodies into frozen request types.
 
-Unknown fields are accepted and ignored (clients send many); known fields with the wrong type or range
-raise ``InvalidRequest`` naming the parameter, as OpenAI does.
+Unknown fields are ignored and returned in ``unknown_fields`` for a log line (clients send many); known
+fields with the wrong type or range raise ``InvalidRequest`` naming the parameter, as OpenAI does, and so
+do values prefixgate cannot honour (``gateway.parameters`` lists which): nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import orjson
 
 from gateway.errors import InvalidRequest
+from gateway.parameters import CHAT, COMPLETIONS, known_names
+from gateway.structured_output import response_format_grammar
 
 MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -28,6 +31,13 @@ class SamplingParams:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    n: int = 1  # choices, each generated separately
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token (completions: its integer ``logprobs``)
+    grammar: dict[str, Any] | None = None  # constrained decoding for the worker (response_format)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +50,8 @@ class ChatRequest:
     include_usage: bool
     user: str | None
     prompt_cache_key: str | None
+    unknown_fields: tuple[str, ...] = ()
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +63,11 @@ class CompletionRequest:
     include_usage: bool
     user: str | None
     prompt_cache_key: str | None
+    unknown_fields: tuple[str, ...] = ()
+
+
+MAX_N = 8
+MAX_TOP_LOGPROBS = 20
 
 
 async def read_json(body: bytes) -> dict[str, Any]:
@@ -127,15 +144,76 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     raise _type_error("stop", "a string or a list of at most 4 strings")
 
 
-def _common(body: Mapping[str, Any], max_token_names: tuple[str, ...]) -> dict[str, Any]:
+def _unsupported(name: str, message: str) -> InvalidRequest:
+    return InvalidRequest(message, param=name, code="unsupported_parameter")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    raw = _opt(body, "logit_bias", dict, "an object mapping token ids to biases")
+    if not raw:
+        return ()
+    if len(raw) > 300:
+        raise InvalidRequest(
+            "'logit_bias' may hold at most 300 tokens", param="logit_bias", code="invalid_value"
+        )
+    pairs = []
+    for key, bias in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+            raise _type_error("logit_bias", "an object whose keys are token ids")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise InvalidRequest(
+                "'logit_bias' values must be numbers between -100 and 100",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _n(body: Mapping[str, Any]) -> int:
+    n = _opt(body, "n", int, "an integer")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequest(f"'n' must be between 1 and {MAX_N}", param="n", code="invalid_value")
+    return n
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> tuple[bool, int]:
+    logprobs = bool(_opt(body, "logprobs", bool, "a boolean"))
+    top = _opt(body, "top_logprobs", int, "an integer")
+    if top is None:
+        return logprobs, 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    if not logprobs:
+        raise InvalidRequest(
+            "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs", code="invalid_value"
+        )
+    return logprobs, top
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> tuple[bool, int]:
+    top = _opt(body, "logprobs", int, "an integer")
+    if top is None:
+        return False, 0
+    if not 0 <= top <= 5:
+        raise InvalidRequest("'logprobs' must be between 0 and 5", param="logprobs", code="invalid_value")
+    return True, top
+
+
+def _common(
+    body: Mapping[str, Any], max_token_names: tuple[str, ...], logprobs: tuple[bool, int]
+) -> dict[str, Any]:
     model = body.get("model")
     if model is None:
         raise InvalidRequest("'model' is required", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise _type_error("model", "a string")
-    n = _opt(body, "n", int, "an integer")
-    if n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n", code="invalid_value")
     stream = bool(_opt(body, "stream", bool, "a boolean"))
     options = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = _opt(options, "include_usage", bool, "a boolean")
@@ -155,9 +233,13 @@ def _common(body: Mapping[str, Any], max_token_names: tuple[str, ...]) -> dict[s
         seed=seed,
         stop=_stop(body),
         ignore_eos=bool(_opt(body, "ignore_eos", bool, "a boolean")),
+        n=_n(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body),
+        logprobs=logprobs[0],
+        top_logprobs=logprobs[1],
     )
-    for name in ("presence_penalty", "frequency_penalty"):
-        _number(body, name, 0.0, -2.0, 2.0)  # accepted for compatibility; the worker does not apply them
     return {
         "model": model,
         "sampling": sampling,
@@ -166,6 +248,11 @@ def _common(body: Mapping[str, Any], max_token_names: tuple[str, ...]) -> dict[s
         "user": _opt(body, "user", str, "a string"),
         "prompt_cache_key": _opt(body, "prompt_cache_key", str, "a string"),
     }
+
+
+def _unknown(body: Mapping[str, Any], endpoint: str) -> tuple[str, ...]:
+    known = known_names(endpoint)
+    return tuple(sorted(str(name) for name in body if name not in known))
 
 
 def _content_text(content: Any, index: int) -> str | None:
@@ -219,8 +306,63 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     return message
 
 
+def _reject_if_set(body: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        if body.get(name) is not None:
+            raise _unsupported(name, f"'{name}' is not supported by prefixgate")
+
+
+def _tool_choice(body: Mapping[str, Any], has_tools: bool) -> Any:
+    """``tool_choice`` as sent (``gateway.tool_calls`` enforces required/named); None without tools."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = isinstance(function, dict) and isinstance(function.get("name"), str)
+    if choice == "required" or named:
+        if not has_tools:
+            raise InvalidRequest("'tool_choice' requires 'tools'", param="tool_choice", code="invalid_value")
+        return choice
+    raise InvalidRequest(
+        "'tool_choice' must be 'none', 'auto', 'required' or a named tool",
+        param="tool_choice",
+        code="invalid_value",
+    )
+
+
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    return response_format_grammar(_opt(body, "response_format", dict, "an object"))
+
+
+def _chat_extras(body: Mapping[str, Any]) -> None:
+    """Parameters with nothing to do in a text-only, non-storing gateway: valid values or a 400."""
+    _reject_if_set(
+        body,
+        (
+            "audio",
+            "prediction",
+            "web_search_options",
+            "reasoning_effort",
+            "verbosity",
+            "functions",
+            "function_call",
+        ),
+    )
+    if _opt(body, "store", bool, "a boolean"):
+        raise _unsupported("store", "'store': true is not supported (completions are never stored)")
+    _opt(body, "metadata", dict, "an object")
+    _opt(body, "parallel_tool_calls", bool, "a boolean")
+    _opt(body, "safety_identifier", str, "a string")
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default"):
+        raise _unsupported("service_tier", "'service_tier' must be 'auto' or 'default'")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _unsupported("modalities", "only the 'text' modality is supported")
+
+
 def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
-    common = _common(body, ("max_completion_tokens", "max_tokens"))
+    common = _common(body, ("max_completion_tokens", "max_tokens"), _chat_logprobs(body))
     messages = body.get("messages")
     if messages is None:
         raise InvalidRequest("'messages' is required", param="messages", code="missing_required_parameter")
@@ -231,11 +373,16 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     tools = _opt(body, "tools", list, "an array of tools")
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise _type_error("tools", "an array of tool objects")
-    if _opt(body, "logprobs", bool, "a boolean"):
-        raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    tool_choice = _tool_choice(body, bool(tools))
+    grammar = _response_format(body)
+    if grammar is not None:
+        common["sampling"] = replace(common["sampling"], grammar=grammar)
+    _chat_extras(body)
     return ChatRequest(
         messages=tuple(_message(raw, index) for index, raw in enumerate(messages)),
         tools=tuple(tools) if tools else None,
+        tool_choice=tool_choice,
+        unknown_fields=_unknown(body, CHAT),
         **common,
     )
 
@@ -256,13 +403,14 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
-    common = _common(body, ("max_tokens",))
+    common = _common(body, ("max_tokens",), _completion_logprobs(body))
     if common["sampling"].max_tokens is None:  # OpenAI's /v1/completions default
         common["sampling"] = replace(common["sampling"], max_tokens=16)
     if _opt(body, "echo", bool, "a boolean"):
-        raise InvalidRequest("echo is not supported", param="echo", code="unsupported_parameter")
+        raise _unsupported("echo", "'echo' is not supported")
     if body.get("suffix") is not None:
-        raise InvalidRequest("suffix is not supported", param="suffix", code="unsupported_parameter")
-    if body.get("logprobs") is not None:
-        raise InvalidRequest("logprobs are not supported", param="logprobs", code="unsupported_parameter")
-    return CompletionRequest(prompt=_prompt(body), **common)
+        raise _unsupported("suffix", "'suffix' is not supported")
+    best_of = _opt(body, "best_of", int, "an integer")
+    if best_of is not None and best_of not in (1, common["sampling"].n):
+        raise _unsupported("best_of", "'best_of' greater than 'n' is not supported")
+    return CompletionRequest(prompt=_prompt(body), unknown_fields=_unknown(body, COMPLETIONS), **common)

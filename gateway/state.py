@@ -14,6 +14,7 @@ from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.metrics import GatewayMetrics
 from gateway.near_miss import NearMissRouting
+from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
@@ -42,3 +43,4 @@ DRAIN = web.AppKey("drain", Drain)
 PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
 NEAR_MISS = web.AppKey("near_miss", NearMissRouting)
 KV_CONSUMER = web.AppKey("kv_consumer", KVEventConsumer)
+UNKNOWN_FIELDS = web.AppKey("unknown_fields", UnknownFields)  # logged once per field name

@@ -10,10 +10,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
+import sys
 
 from aiohttp import web
 
-from worker.config import parse_args
+from worker.config import ContextDoesNotFit, parse_args
 from worker.server import create_app
 
 
@@ -22,7 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request.
-    web.run_app(create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None)
+    try:
+        web.run_app(
+            create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None
+        )
+    except ContextDoesNotFit as exc:
+        print(f"prefixgate worker: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,34 @@ class WorkerConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+class ContextDoesNotFit(ValueError):
+    """The model's context window is longer than the KV cache can hold: the worker refuses to start."""
+
+
+def context_that_fits(
+    config: WorkerConfig, *, model_context_tokens: int, num_blocks: int, bytes_per_block: int
+) -> int:
+    """The context window served: ``max_model_len`` (default: the model's) when one whole request of
+    that length fits the KV cache; otherwise ``ContextDoesNotFit`` naming what to set (as vLLM does,
+    instead of silently serving a shorter context than the model's)."""
+    wanted = min(config.max_model_len or model_context_tokens, model_context_tokens)
+    capacity_tokens = (num_blocks - 1) * config.block_size  # one block is kept free for the scheduler
+    if wanted <= capacity_tokens:
+        return wanted
+    needed_blocks = -(-wanted // config.block_size) + 1
+    budget = (
+        f"--num-blocks {num_blocks}" if config.num_blocks else f"--kv-cache-bytes {config.kv_cache_bytes}"
+    )
+    raise ContextDoesNotFit(
+        f"the context window of {wanted} tokens "
+        f"({'--max-model-len' if config.max_model_len else 'the model'}'s) does not fit the KV cache: "
+        f"{budget} holds {capacity_tokens} tokens ({num_blocks} blocks of {config.block_size}). "
+        f"Set --max-model-len {capacity_tokens} (PREFIXGATE_WORKER_MAX_MODEL_LEN) or less, or raise "
+        f"--kv-cache-bytes to {needed_blocks * bytes_per_block} (PREFIXGATE_WORKER_KV_CACHE_BYTES) "
+        f"or --num-blocks to {needed_blocks}."
+    )
+
+
 def _boolean(raw: str) -> bool:
     if raw.lower() in {"1", "true", "yes", "on"}:
         return True

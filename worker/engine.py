@@ -22,14 +22,16 @@ import torch
 
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
 from worker.block_manager import BlockManager, NoFreeBlocksError
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, context_that_fits
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
+from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
+from worker.structured import GrammarCompiler, GrammarError
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
@@ -50,6 +52,7 @@ class RequestOutput:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None  # set on the final output
     error: str | None = None  # set when the engine failed the request
+    logprobs: list[dict[str, Any]] | None = None  # TokenLogprob.to_json of the new tokens, when asked
 
 
 @dataclass(slots=True)
@@ -89,6 +92,12 @@ class Engine:
         model = self.loaded.model
         bytes_per_block = kv_bytes_per_block(model, config.block_size, dtype)
         num_blocks = config.num_blocks or max(16, config.kv_cache_bytes // bytes_per_block)
+        max_model_len = context_that_fits(  # before allocating: a misfit fails the start, saying what to set
+            config,
+            model_context_tokens=self.loaded.config.max_context_tokens,
+            num_blocks=num_blocks,
+            bytes_per_block=bytes_per_block,
+        )
         self.fingerprint = model_fingerprint(self.loaded, dtype, config.block_size)
         self.runner = ModelRunner(
             model, num_blocks=num_blocks, block_size=config.block_size, device=self.device
@@ -96,6 +105,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefill_tokens_per_s = 0.0
         self.store = self._make_store(bytes_per_block)
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
@@ -114,10 +124,7 @@ class Engine:
             store=self.store,
             clock=time.monotonic,
         )
-        capacity_tokens = (num_blocks - 1) * config.block_size
-        self.max_model_len = min(
-            config.max_model_len or 1 << 30, self.loaded.config.max_context_tokens, capacity_tokens
-        )
+        self.max_model_len = max_model_len
         self.bytes_per_block = bytes_per_block
         self.counters: dict[str, int] = {
             "requests_total": 0,
@@ -199,6 +206,8 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {vocab})")
         if sampling.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
+        if any(not (0 <= token < vocab) for token, _ in sampling.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -214,9 +223,13 @@ class Engine:
         segments: list[NamespaceSegment],
         *,
         use_cache: bool = True,
+        matcher: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks."""
+        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
+        ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given)."""
         self.validate(prompt_token_ids, sampling)
+        if matcher is None and sampling.grammar is not None:
+            matcher = self.new_matcher(sampling)
         if request_id in self._handles:
             raise RequestError(f"request id {request_id!r} is already running")
         handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
@@ -228,6 +241,7 @@ class Engine:
             use_cache=use_cache,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
+            matcher=matcher,
         )
         self._handles[request_id] = handle
         self._inbox.put(("add", seq))
@@ -241,6 +255,15 @@ class Engine:
             self._handles.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def new_matcher(self, sampling: SamplingParams) -> Any:
+        """The grammar matcher of a request (None without a grammar); RequestError if it does not compile."""
+        if sampling.grammar is None:
+            return None
+        try:
+            return self.grammars.matcher(sampling.grammar)
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -400,11 +423,16 @@ class Engine:
             if seq.timings.first_token_s is None:
                 seq.timings.first_token_s = now
                 self.counters["cached_tokens_total"] += seq.num_cached_tokens
-            self._append_token(seq, token)
+            self._append_token(seq, token, result.logprobs.get(seq))
         return True
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         self.counters["generated_tokens_total"] += 1
+        # A token that ends the request without text (EOS, a stop token) has no logprob entry, as OpenAI.
+        ends_silently = token in seq.sampling.stop_token_ids or (
+            token in self.tokenizer.eos_token_ids and not seq.sampling.ignore_eos
+        )
+        logprobs = [logprob.to_json()] if logprob is not None and not ends_silently else None
         reason = append_token(
             seq, token, eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len
         )
@@ -418,7 +446,11 @@ class Engine:
                 prompt_usage = usage(seq, prefill_tokens_per_s=self.prefill_tokens_per_s) if first else None
                 handle.push(
                     RequestOutput(
-                        request_id=seq.request_id, text=delta, token_ids=[token], usage=prompt_usage
+                        request_id=seq.request_id,
+                        text=delta,
+                        token_ids=[token],
+                        usage=prompt_usage,
+                        logprobs=logprobs,
                     )
                 )
             return
@@ -436,6 +468,7 @@ class Engine:
                     finished=True,
                     finish_reason=reason,
                     usage=final,
+                    logprobs=logprobs,
                 )
             )
 

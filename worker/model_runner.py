@@ -6,15 +6,17 @@ The only part of the engine that touches torch tensors (with the tiers' copy cod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from worker.layers.attention import AttentionMetadata, PrefillSpan
+from worker.layers.logits_processors import TokenLogprob, process_logits, token_logprobs
 from worker.layers.sampler import sample
 from worker.model.llama import LlamaForCausalLM
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
+from worker.structured import advance, mask_logits
 
 
 def kv_cache_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -30,6 +32,7 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class StepResult:
     sampled: dict[Sequence, int]  # sequences that got a new token this step
     num_prefill_tokens: int
+    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for those that asked
 
 
 class ModelRunner:
@@ -98,12 +101,22 @@ class ModelRunner:
             self.kv_cache,
         )
         sampled: dict[Sequence, int] = {}
+        logprobs: dict[Sequence, TokenLogprob] = {}
         if sample_rows:
             logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
             params = [s.sampling for s in sample_seqs]
+            logits = process_logits(logits, params, [s.output_token_ids for s in sample_seqs])
+            if any(s.matcher is not None for s in sample_seqs):
+                mask_logits(logits, [s.matcher for s in sample_seqs])
             tokens = sample(logits, params, [self._generator(s) for s in sample_seqs])
+            for seq, token in zip(sample_seqs, tokens, strict=True):
+                seq.grammar_complete = advance(seq.matcher, token)
             sampled = dict(zip(sample_seqs, tokens, strict=True))
-        return StepResult(sampled=sampled, num_prefill_tokens=sum(c.length for c in step.prefills))
+            for seq, entry in zip(sample_seqs, token_logprobs(logits, tokens, params), strict=True):
+                if entry is not None:
+                    logprobs[seq] = entry
+        num_prefill_tokens = sum(c.length for c in step.prefills)
+        return StepResult(sampled=sampled, num_prefill_tokens=num_prefill_tokens, logprobs=logprobs)
 
     def _decode_tables(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded block tables [B, max_blocks] and the mask of valid key positions [B, 1, 1, L]."""

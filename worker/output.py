@@ -29,6 +29,8 @@ def append_token(
         if at >= 0:
             seq.detokenizer.text = text[:at]
             return "stop"
+    if seq.grammar_complete:
+        return "stop"
     if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None

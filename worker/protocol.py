@@ -9,6 +9,8 @@ from typing import Any
 from policies.hashing import NamespaceKey, NamespaceSegment, validate_segments
 from worker.sequence import SamplingParams
 
+MAX_LOGPROBS = 20
+
 
 class BadRequest(ValueError):
     """Malformed or invalid input: HTTP 400 with an OpenAI-style error."""
@@ -27,6 +29,7 @@ class GenerateRequest:
     sampling: SamplingParams
     stream: bool
     use_cache: bool
+    x_request_id: str = ""  # the gateway's client-facing request id, for log lines
 
 
 def _require(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -96,6 +99,9 @@ def parse_sampling(raw: Any) -> SamplingParams:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
     seed = _optional(raw, "seed", int, None)
+    logprobs = _optional(raw, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
     return SamplingParams(
         max_tokens=_optional(raw, "max_tokens", int, 16),
         temperature=temperature,
@@ -105,7 +111,32 @@ def parse_sampling(raw: Any) -> SamplingParams:
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=bool(_optional(raw, "ignore_eos", bool, False)),
+        presence_penalty=_penalty(raw, "presence_penalty"),
+        frequency_penalty=_penalty(raw, "frequency_penalty"),
+        logit_bias=_logit_bias(raw),
+        logprobs=logprobs,
+        grammar=_optional(raw, "grammar", dict, None),
     )
+
+
+def _penalty(raw: Mapping[str, Any], name: str) -> float:
+    value = float(_optional(raw, name, (int, float), 0.0))
+    if not -2.0 <= value <= 2.0:
+        raise BadRequest(f"{name} must be in [-2, 2]", param=name)
+    return value
+
+
+def _logit_bias(raw: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` as sorted (id, bias) pairs; ids are checked against the vocabulary later."""
+    bias = _optional(raw, "logit_bias", dict, {})
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+            raise BadRequest("logit_bias keys must be token ids", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise BadRequest("logit_bias values must be numbers in [-100, 100]", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def parse_generate(body: Any, block_size: int) -> GenerateRequest:
@@ -124,4 +155,5 @@ def parse_generate(body: Any, block_size: int) -> GenerateRequest:
         sampling=parse_sampling(body.get("sampling")),
         stream=bool(_optional(body, "stream", bool, False)),
         use_cache=bool(_optional(body, "cache", bool, True)),
+        x_request_id=str(_optional(body, "x_request_id", str, ""))[:128],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
+    grammar: Mapping[str, Any] | None = None  # constrained decoding (worker.structured), None: free text
 
 
 class Status(enum.Enum):
@@ -64,6 +70,8 @@ class Sequence:
     block_origins: dict[BlockHash, str] = field(default_factory=dict)  # prefetched block -> tier it came from
     transfers: list[Any] = field(default_factory=list)  # copies into the device pool in flight
     loading_slots: list[int] = field(default_factory=list)  # L2 slots pinned while ``transfers`` run
+    matcher: Any = None  # llguidance.LLMatcher of ``sampling.grammar`` (engine thread only)
+    grammar_complete: bool = False  # the grammar allows nothing more: the request stops
 
     @property
     def namespace_id(self) -> str:

@@ -126,32 +126,42 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = parse_generate(await _json(request), engine.config.block_size)
     engine.validate(req.prompt_token_ids, req.sampling)
+    # A bad grammar is a 400 before any streaming starts; compiling drops the GIL, off the event loop.
+    matcher = await asyncio.to_thread(engine.new_matcher, req.sampling) if req.sampling.grammar else None
     outputs = engine.generate(
-        req.request_id, req.prompt_token_ids, req.sampling, req.segments, use_cache=req.use_cache
+        req.request_id,
+        req.prompt_token_ids,
+        req.sampling,
+        req.segments,
+        use_cache=req.use_cache,
+        matcher=matcher,
     )
     if req.stream:
-        return await _stream(request, req.request_id, outputs)
-    text, token_ids = [], []
+        return await _stream(request, f"{req.request_id} (x-request-id {req.x_request_id})", outputs)
+    text, token_ids, logprobs = [], [], []
     async for out in outputs:
         if out.error:
+            log.warning("%s (x-request-id %s) failed: %s", req.request_id, req.x_request_id, out.error)
             body = error_body(out.error, kind="server_error", code="engine_error")
             return web.json_response(body, status=503)
         text.append(out.text)
         token_ids += out.token_ids
+        logprobs += out.logprobs or []
         if out.finished:
-            return web.json_response(
-                {
-                    "request_id": req.request_id,
-                    "text": "".join(text),
-                    "token_ids": token_ids,
-                    "finish_reason": out.finish_reason,
-                    "usage": out.usage,
-                }
-            )
+            result = {
+                "request_id": req.request_id,
+                "text": "".join(text),
+                "token_ids": token_ids,
+                "finish_reason": out.finish_reason,
+                "usage": out.usage,
+            }
+            if req.sampling.logprobs is not None:
+                result["logprobs"] = logprobs
+            return web.Response(body=orjson.dumps(result), content_type="application/json")
     raise web.HTTPInternalServerError(reason="request ended without a result")
 
 
-async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[Any]) -> web.StreamResponse:
+async def _stream(request: web.Request, label: str, outputs: AsyncIterator[Any]) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
@@ -170,10 +180,12 @@ async def _stream(request: web.Request, request_id: str, outputs: AsyncIterator[
                 line = {"type": "delta", "text": out.text, "token_ids": out.token_ids}
                 if out.usage:  # the first token's: the prompt's usage so far
                     line["usage"] = out.usage
+            if out.logprobs:
+                line["logprobs"] = out.logprobs
             await response.write(orjson.dumps(line) + b"\n")
     except (ConnectionResetError, ConnectionError):
         # Client gone: leaving the loop closes ``outputs``, which aborts the request and frees its blocks.
-        log.info("client of %s disconnected", request_id)
+        log.info("client of %s disconnected", label)
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
     await response.write_eof()

@@ -10,7 +10,7 @@ from tests.gateway.conftest import create_tenant
 
 def assert_openai_error(body: dict, error_type: str) -> None:
     assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert set(body["error"]) == {"message", "type", "param", "code", "request_id"}
     assert body["error"]["type"] == error_type and body["error"]["message"]
 
 
@@ -46,7 +46,7 @@ async def test_missing_and_bad_keys_are_401(client, path):
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": "1"}, "seed"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "user": 7}, "user"),
     ],
 )

@@ -39,6 +39,16 @@ FIELDS = [
     "ignore_eos",
     "echo",
     "suffix",
+    "response_format",
+    "tool_choice",
+    "logit_bias",
+    "top_logprobs",
+    "frequency_penalty",
+    "best_of",
+    "store",
+    "modalities",
+    "service_tier",
+    "metadata",
 ]
 bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
 message = st.fixed_dictionaries(

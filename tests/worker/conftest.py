@@ -44,9 +44,10 @@ def make_engine() -> Iterator:
     engines: list[Engine] = []
 
     def factory(**overrides) -> Engine:
-        config = WorkerConfig(
-            **{"model": "random-tiny", "num_blocks": 64, "max_num_batched_tokens": 32, **overrides}
-        )
+        values = {"model": "random-tiny", "num_blocks": 64, "max_num_batched_tokens": 32, **overrides}
+        if values.get("num_blocks"):  # small pools: serve the context they hold (a longer one fails to start)
+            values.setdefault("max_model_len", (values["num_blocks"] - 1) * 16)
+        config = WorkerConfig(**values)
         engine = Engine(config)
         engine.start()
         engines.append(engine)
