@@ -18,6 +18,7 @@ _ERRORS = {
         _ref("Error"), "Malformed JSON, wrong types, missing fields, prompt longer than the context"
     ),
     "401": _json(_ref("Error"), "Missing, bad or revoked key"),
+    "408": _json(_ref("Error"), "The request body did not arrive within read_timeout_s"),
     "404": _json(_ref("Error"), "Unknown model or object"),
     "413": _json(_ref("Error"), "Body over the size limit"),
     "429": _json(_ref("Error"), "Tenant rate limit"),
@@ -208,7 +209,13 @@ def openapi_spec() -> dict[str, Any]:
                 "responses": {"200": _json({"type": "object"})},
             }
         },
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (PREFIXGATE_METRICS_TOKEN or the admin token)",
+                "security": [{admin: []}],
+                "responses": {"200": {"description": "text"}, "401": _ERRORS["401"]},
+            }
+        },
         "/admin/v1/tenants": {
             "post": _op("Create a tenant; the API key is returned once", body="TenantCreate", security=admin),
             "get": _op("List tenants", security=admin),

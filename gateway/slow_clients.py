@@ -27,7 +27,7 @@ def read_body_middleware(read_timeout_s: float, max_body_bytes: int):  # type: i
     @web.middleware
     async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
         if request.transport is not None:
-            request.app[STARTED].add(request.transport)
+            request.config_dict[STARTED].add(request.transport)
         if request.body_exists:
             length = request.content_length
             if length is not None and length > max_body_bytes:

@@ -33,7 +33,8 @@ def _private_sqlite_file(url: str) -> None:
     if not database or database == ":memory:" or database.startswith("file:"):
         return
     path = Path(database)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # an unreachable database stays unreachable (usage spools meanwhile)
+        return
     os.close(os.open(path, os.O_CREAT | os.O_WRONLY, SQLITE_FILE_MODE))
     for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         if file.exists():
