@@ -31,7 +31,7 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound,
 from gateway.model import ModelRuntime, TemplateError
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
-from gateway.upstream import WorkerNotStarted, error_from_event
+from gateway.upstream import WorkerDisconnected, WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
 from policies.chat_text import iter_texts
 from policies.hashing import NamespaceSegment, block_hashes
@@ -354,7 +354,8 @@ class RequestPipeline:
     ) -> PreparedRequest:
         """The same request on another healthy worker, or ``error`` when none is left."""
         if error.code == "worker_unreachable":
-            self._pool.workers[prepared.worker_url].mark_lost(error.message)  # dead: stop routing there
+            # Dead: stop routing there; its other requests fail or are retried by themselves.
+            self._pool.workers[prepared.worker_url].mark_lost(error.message, end_requests=False)
         candidates = [c for c in self._pool.candidates(prepared.model.model_id) if c.url not in tried]
         if not candidates:
             raise error
@@ -368,6 +369,19 @@ class RequestPipeline:
         )
         return replace(prepared, worker_url=worker_url)
 
+    async def _reroute_if_dead(
+        self, prepared: PreparedRequest, error: WorkerDisconnected, tried: set[str]
+    ) -> PreparedRequest:
+        """Retry a request whose connection broke before the worker answered, once, and only when the
+        worker is dead: it never got the request (stale connection) or died with it. A worker that is
+        alive may have run it: then the tenant gets the 503. One retry bounds the harm of a request
+        that kills workers."""
+        state = self._pool.workers[prepared.worker_url]
+        if len(tried) > 1 or not await state.client.is_dead():
+            raise error
+        state.mark_lost(error.message, end_requests=False)
+        return self._reroute(prepared, WorkerNotStarted(error.message, code="worker_unreachable"), tried)
+
     async def generate(self, prepared: PreparedRequest) -> dict[str, Any]:
         tried: set[str] = set()
         while True:
@@ -379,6 +393,8 @@ class RequestPipeline:
                 return await self._pool.until_lost(state, call, prepared.request_id)
             except WorkerNotStarted as exc:
                 prepared = self._reroute(prepared, exc, tried)
+            except WorkerDisconnected as exc:
+                prepared = await self._reroute_if_dead(prepared, exc, tried)
             except asyncio.CancelledError:
                 self._abort_later(prepared)
                 raise
@@ -401,6 +417,10 @@ class RequestPipeline:
                     except WorkerNotStarted as exc:
                         finished = True  # nothing to abort there
                         prepared = self._reroute(prepared, exc, tried)
+                        continue
+                    except WorkerDisconnected as exc:
+                        finished = True  # the worker is gone (or we raise)
+                        prepared = await self._reroute_if_dead(prepared, exc, tried)
                         continue
                     while event is not None:
                         kind = event.get("type")
