@@ -79,6 +79,9 @@ async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, wor
     assert status == 429 and body["error"]["code"] == "tokens_exceeded"  # can never fit
     status, headers, _ = await post(client, key, chat(max_tokens=left - prompt_tokens))
     assert status == 200 and headers["x-ratelimit-remaining-tokens"] == "0"  # what was left still serves
+    metrics = await (await client.get("/metrics")).text()
+    counted = [line for line in metrics.splitlines() if line.startswith("prefixgate_prompt_tokens_total{")]
+    assert counted and counted[0].endswith(f" {2 * prompt_tokens}.0"), counted  # refused ones bill nothing
 
 
 async def burst(client, key: str, n: int, **extra) -> list[tuple[int, dict, dict]]:
