@@ -259,3 +259,25 @@ async def test_tenant_limits_are_policy_fields(client):
     assert tenant["max_concurrent_requests"] is None and tenant["rate_limit_tpm"] == 1000
     bad = await client.patch(f"/admin/v1/tenants/{tenant_id}", json={"rate_limit_tpm": -1}, headers=ADMIN)
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "rate_limit_tpm"
+
+
+async def test_token_limit_is_shared_by_replicas_through_redis(aiohttp_client, pg_url, tmp_path, worker_url):
+    from gateway.ratelimit import WINDOW_S
+    from gateway.state import POLICY_CACHE
+    from tests.tenancy.db_support import REDIS_ENV, service_url
+
+    redis_url = service_url(REDIS_ENV, "Redis")
+    replicas = [
+        await aiohttp_client(
+            create_app(make_config(pg_url, tmp_path / name, worker_urls=(worker_url,), redis_url=redis_url))
+        )
+        for name in ("a", "b")
+    ]
+    key = await new_tenant(replicas[0], name=f"tpm-{time.time_ns()}", rate_limit_tpm=150)
+    await replicas[1].app[POLICY_CACHE].reload()
+    if time.time() % WINDOW_S > WINDOW_S - 3:  # keep the requests inside one fixed window
+        await asyncio.sleep(WINDOW_S - time.time() % WINDOW_S)
+    first = await post(replicas[0], key, chat(max_tokens=70))
+    second = await post(replicas[1], key, chat(max_tokens=70))
+    assert first[0] == 200 and second[0] == 429, (first, second)  # 2 x (prompt + 70) > 150 together
+    assert second[1]["x-ratelimit-limit-tokens"] == "150"
