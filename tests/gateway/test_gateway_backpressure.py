@@ -281,3 +281,26 @@ async def test_token_limit_is_shared_by_replicas_through_redis(aiohttp_client, p
     second = await post(replicas[1], key, chat(max_tokens=70))
     assert first[0] == 200 and second[0] == 429, (first, second)  # 2 x (prompt + 70) > 150 together
     assert second[1]["x-ratelimit-limit-tokens"] == "150"
+
+
+async def test_cpu_pool_runs_off_the_loop_and_refuses_past_its_queue():
+    import threading
+
+    from gateway.cpu import CpuPool
+    from gateway.errors import Unavailable
+
+    pool = CpuPool(num_threads=1, max_waiting=1)
+    release = threading.Event()
+    try:
+        running = asyncio.create_task(pool.run(release.wait, 10))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(pool.run(threading.get_ident))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unavailable) as refused:
+            await pool.run(threading.get_ident)
+        assert refused.value.code == "server_busy" and refused.value.retry_after_s == 1
+        release.set()
+        assert await running is True and await waiting != threading.get_ident()  # not the loop's thread
+    finally:
+        release.set()
+        pool.close()
