@@ -212,9 +212,10 @@ async def _serve(
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
-    call.num_prompt_tokens = len(prepared.prompt_token_ids)
+    num_prompt_tokens = len(prepared.prompt_token_ids)
+    await check_token_limit(request, call, num_prompt_tokens + (prepared.sampling.max_tokens or 0))
+    call.num_prompt_tokens = num_prompt_tokens  # from here on the request counts (a 429 bills nothing)
     call.prepared = prepared
-    await check_token_limit(request, call, call.num_prompt_tokens + (prepared.sampling.max_tokens or 0))
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:
         return await _stream(request, call, prepared, tools)

@@ -20,9 +20,17 @@ _ERRORS = {
     "401": _json(_ref("Error"), "Missing, bad or revoked key"),
     "408": _json(_ref("Error"), "The request body did not arrive within read_timeout_s"),
     "404": _json(_ref("Error"), "Unknown model or object"),
-    "413": _json(_ref("Error"), "Body over the size limit"),
-    "429": _json(_ref("Error"), "Tenant rate limit"),
-    "503": _json(_ref("Error"), "No worker ready"),
+    "413": _json(_ref("Error"), "Body or prompt over the size limit"),
+    "429": {
+        **_json(_ref("Error"), "Tenant limit: requests or tokens per minute, or requests in flight"),
+        "headers": {
+            name: {"schema": {"type": "string"}} for name in ("Retry-After", "x-ratelimit-reset-requests")
+        },
+    },
+    "503": {
+        **_json(_ref("Error"), "Gateway or workers saturated, no worker ready, worker lost"),
+        "headers": {"Retry-After": {"schema": {"type": "string"}}},
+    },
 }
 
 

@@ -24,20 +24,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-import orjson
 from tokenizers import Encoding
 
 from gateway.cpu import CpuPool
-from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, PayloadTooLarge, Unavailable
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, Unavailable
 from gateway.kv_index import PrefixIndex
 from gateway.model import ModelRuntime, TemplateError
 from gateway.near_miss import NearMissRouting
+from gateway.prompt_size import check_prompt_size
 from gateway.routing import Router, RouteRequest, cache_key_affinity
 from gateway.schemas import ChatRequest, CompletionRequest, SamplingParams
 from gateway.special_tokens import chat_encoding
-from gateway.upstream import WorkerNotStarted, error_from_event
+from gateway.upstream import WorkerDisconnected, WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
-from policies.chat_text import iter_texts
 from policies.hashing import NamespaceSegment, block_hashes, segment_at
 from policies.isolation import namespace_segments
 from policies.promotion import BoundaryPrefix
@@ -230,33 +229,9 @@ class RequestPipeline:
     def check_prompt_size(
         self, request: ChatRequest | CompletionRequest, model: ModelRuntime, *, context_window: bool = True
     ) -> None:
-        """Refuse a prompt that is too big before rendering it: over ``max_prompt_chars`` (413), or with
-        more non-blank characters than the context window can hold at the tokenizer's longest token."""
-        if isinstance(request, ChatRequest):
-            texts = [text for _, _, text in iter_texts(request.messages)]
-            num_chars = sum(map(len, texts)) + (len(orjson.dumps(request.tools)) if request.tools else 0)
-            num_solid = sum(len(text) - sum(text.count(c) for c in " \t\n\r") for text in texts)
-            param = "messages"
-        elif isinstance(request.prompt, str):
-            num_chars = len(request.prompt)
-            num_solid = num_chars - sum(request.prompt.count(c) for c in " \t\n\r")
-            param = "prompt"
-        else:
-            return  # token ids: the context-window check is exact and cheap
-        if self._max_prompt_chars and num_chars > self._max_prompt_chars:
-            raise PayloadTooLarge(
-                f"the prompt has {num_chars} characters; "
-                f"this gateway accepts at most {self._max_prompt_chars}",
-                param=param,
-            )
-        min_tokens = num_solid // model.max_token_chars
-        if context_window and min_tokens > model.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {model.max_model_len} tokens. However, your "
-                f"prompt has {num_solid} non-blank characters, at least {min_tokens} tokens. "
-                "Please reduce the length of the prompt.",
-                param=param,
-            )
+        """``gateway.prompt_size.check_prompt_size`` with this gateway's ``max_prompt_chars``."""
+        limit = self._max_prompt_chars
+        check_prompt_size(request, model, max_prompt_chars=limit, context_window=context_window)
 
     async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the CPU pool (inline when the pipeline has none, as in unit tests)."""
@@ -441,24 +416,23 @@ class RequestPipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _reroute(
-        self, prepared: PreparedRequest, error: WorkerNotStarted, tried: set[str]
+    async def _retry(
+        self, prepared: PreparedRequest, error: WorkerNotStarted | WorkerDisconnected, tried: set[str]
     ) -> PreparedRequest:
-        """The same request on another healthy worker, or ``error`` when none is left."""
-        if error.code == "worker_unreachable":
-            self._pool.workers[prepared.worker_url].mark_lost(error.message)  # dead: stop routing there
+        """The request on another healthy worker, or raise ``error``. A connection broken before the
+        worker answered is retried once, and only when the worker is dead (it never got the request, or
+        died with it; one retry bounds the harm of a request that kills workers)."""
+        state = self._pool.workers[prepared.worker_url]
+        if isinstance(error, WorkerDisconnected) and (len(tried) > 1 or not await state.client.is_dead()):
+            raise error
+        if error.code in ("worker_unreachable", "worker_disconnected"):  # dead: stop routing there
+            state.mark_lost(error.message, end_requests=False)  # its other requests retry by themselves
         candidates = [c for c in self._pool.candidates(prepared.model.model_id) if c.url not in tried]
         if not candidates:
             raise error
-        worker_url = self._router.choose(RouteRequest(affinity_key=None, candidates=candidates))
-        log.info(
-            "request %s: %s (%s); sent to %s",
-            prepared.request_id,
-            error.message,
-            prepared.worker_url,
-            worker_url,
-        )
-        return replace(prepared, worker_url=worker_url)
+        url = self._router.choose(RouteRequest(affinity_key=None, candidates=candidates))
+        log.info("request %s: %s (%s); sent to %s", prepared.request_id, error.message, state.url, url)
+        return replace(prepared, worker_url=url)
 
     async def generate(self, prepared: PreparedRequest) -> dict[str, Any]:
         tried: set[str] = set()
@@ -469,8 +443,8 @@ class RequestPipeline:
             try:
                 call = state.client.generate(prepared.worker_payload())
                 return await self._pool.until_lost(state, call, prepared.request_id)
-            except WorkerNotStarted as exc:
-                prepared = self._reroute(prepared, exc, tried)
+            except (WorkerNotStarted, WorkerDisconnected) as exc:
+                prepared = await self._retry(prepared, exc, tried)
             except asyncio.CancelledError:
                 self._abort_later(prepared)
                 raise
@@ -490,9 +464,9 @@ class RequestPipeline:
                 async with contextlib.aclosing(worker_events) as events:
                     try:
                         event = await self._pool.until_lost(state, anext(events, None), prepared.request_id)
-                    except WorkerNotStarted as exc:
+                    except (WorkerNotStarted, WorkerDisconnected) as exc:
                         finished = True  # nothing to abort there
-                        prepared = self._reroute(prepared, exc, tried)
+                        prepared = await self._retry(prepared, exc, tried)
                         continue
                     while event is not None:
                         kind = event.get("type")

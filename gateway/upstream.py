@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from gateway.errors import APIError, InvalidRequest, Unavailable, UpstreamError
 
@@ -58,10 +60,21 @@ async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
     raise UpstreamError(f"worker error: {message}")
 
 
-def _unreachable(exc: aiohttp.ClientError) -> Unavailable:
+class WorkerDisconnected(Unavailable):
+    """The connection broke before the worker answered: a stale keep-alive connection to a dead worker
+    (the request never arrived) or a worker that died while working on it. The pipeline retries it
+    elsewhere only once the worker is found dead."""
+
+
+def _unreachable(exc: aiohttp.ClientError, *, answered: bool) -> Unavailable:
     """Refused connections never reached the worker; a connection lost later may have started work."""
-    kind = WorkerNotStarted if isinstance(exc, aiohttp.ClientConnectorError) else Unavailable
-    return kind(f"worker unreachable: {exc.__class__.__name__}", code="worker_unreachable")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return WorkerNotStarted(f"worker unreachable: {exc.__class__.__name__}", code="worker_unreachable")
+    if not answered and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return WorkerDisconnected(
+            f"worker connection lost: {exc.__class__.__name__}", code="worker_disconnected"
+        )
+    return Unavailable(f"worker connection lost: {exc.__class__.__name__}", code="worker_unreachable")
 
 
 class WorkerClient:
@@ -106,6 +119,7 @@ class WorkerClient:
 
     async def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Non-streamed generation; raises APIError subclasses."""
+        answered = False
         try:
             async with self._session.post(
                 self.url + "/v1/generate",
@@ -113,16 +127,18 @@ class WorkerClient:
                 timeout=self._timeout,
                 headers={"Content-Type": "application/json"},
             ) as response:
+                answered = True
                 await _raise_for_worker_error(response)
                 return await _read_json(response)
         except aiohttp.ClientError as exc:
-            raise _unreachable(exc) from exc
+            raise _unreachable(exc, answered=answered) from exc
         except TimeoutError as exc:
             raise Unavailable("the worker did not finish in time", code="worker_timeout") from exc
 
     async def generate_stream(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Streamed generation: the worker's NDJSON events. Closing the iterator early (client gone)
         closes the connection, which the worker treats as a cancellation."""
+        answered = False
         try:
             async with self._session.post(
                 self.url + "/v1/generate",
@@ -130,12 +146,13 @@ class WorkerClient:
                 timeout=self._timeout,
                 headers={"Content-Type": "application/json"},
             ) as response:
+                answered = True
                 await _raise_for_worker_error(response)
                 async for line in response.content:
                     if line.strip():
                         yield orjson.loads(line)
         except aiohttp.ClientError as exc:
-            raise _unreachable(exc) from exc
+            raise _unreachable(exc, answered=answered) from exc
         except TimeoutError as exc:
             raise Unavailable("the worker did not finish in time", code="worker_timeout") from exc
 
@@ -150,6 +167,18 @@ class WorkerClient:
             await _raise_for_worker_error(response)
             erased = (await _read_json(response)).get("blocks_erased") or {}
             return {str(tier): int(count) for tier, count in erased.items()}
+
+    async def is_dead(self, timeout_s: float = 1.0) -> bool:
+        """True when a fresh TCP connection to the worker is refused (no pooled connection is used)."""
+        url = URL(self.url)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(url.host, url.port), timeout_s)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False
 
     async def abort(self, request_id: str) -> bool:
         try:

@@ -4,7 +4,8 @@ A background task polls every worker's ``/healthz``; a worker that answers for t
 a new ``worker_id`` (it restarted), has its ``/v1/info`` fetched again. Workers are grouped by model;
 a worker whose fingerprint differs from the model's first worker is left out (it would hash differently).
 
-A worker that stops answering ``/healthz`` within the health timeout (hung, e.g. SIGSTOPped), refuses
+A worker that stops answering ``/healthz`` within the health timeout twice in a row (hung, e.g.
+SIGSTOPped), refuses
 connections (dead) or says it is unhealthy is **lost**: no request is routed to it, and the requests
 in flight on it end at once with 503 (``until_lost``) instead of waiting for the request timeout.
 """
@@ -49,13 +50,15 @@ class WorkerState:
             self.lost = asyncio.get_running_loop().create_future()
         return self.lost
 
-    def mark_lost(self, reason: str) -> None:
-        """Stop routing here and end the requests in flight (they wait in ``until_lost``)."""
+    def mark_lost(self, reason: str, *, end_requests: bool = True) -> None:
+        """Stop routing here; with ``end_requests``, end the requests in flight (they wait in
+        ``until_lost``). A dead worker (connection refused) needs no ending: its requests fail on their
+        own, and those it never took are retried elsewhere; a hung one never answers them."""
         if self.healthy:
             log.warning("worker %s is unhealthy: %s", self.url, reason)
         self.healthy = False
         self.last_error = reason
-        if self.lost is not None and not self.lost.done():
+        if end_requests and self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
 
 
@@ -111,19 +114,32 @@ class WorkerPool:
         return self.workers[url].client
 
     async def check(self, state: WorkerState) -> None:
-        try:
-            health = await state.client.healthz()
-            worker_id = health.get("worker_id")
-            # /healthz may not carry the worker id: re-read /v1/info whenever the worker comes (back) up.
-            restarted = worker_id is not None and worker_id != state.worker_id
-            if state.model_id is None or not state.healthy or restarted:
-                info = await state.client.info()
-                self._attach(state, ModelInfo.from_json(info))
-                state.worker_id = info.get("worker_id")
-            state.healthy = state.model_id is not None
-            state.last_error = None
-        except Exception as exc:
-            state.mark_lost(f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__)
+        """One health check. A healthy worker that times out gets one immediate second try (a busy host
+        may answer late once); refused connections and errors count at once."""
+        for attempt in (1, 2):
+            try:
+                await self._check_once(state)
+                return
+            except TimeoutError:
+                if attempt == 1 and state.healthy:
+                    continue
+                state.mark_lost("no answer to /healthz in time (hung?)")
+            except Exception as exc:
+                reason = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+                state.mark_lost(reason, end_requests=not isinstance(exc, aiohttp.ClientConnectorError))
+            return
+
+    async def _check_once(self, state: WorkerState) -> None:
+        health = await state.client.healthz()
+        worker_id = health.get("worker_id")
+        # /healthz may not carry the worker id: re-read /v1/info whenever the worker comes (back) up.
+        restarted = worker_id is not None and worker_id != state.worker_id
+        if state.model_id is None or not state.healthy or restarted:
+            info = await state.client.info()
+            self._attach(state, ModelInfo.from_json(info))
+            state.worker_id = info.get("worker_id")
+        state.healthy = state.model_id is not None
+        state.last_error = None
 
     async def until_lost(self, state: WorkerState, awaitable: Awaitable[T], request_id: str) -> T:
         """Await a worker call unless the worker is lost first: then cancel it and raise 503."""

@@ -79,6 +79,9 @@ async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, wor
     assert status == 429 and body["error"]["code"] == "tokens_exceeded"  # can never fit
     status, headers, _ = await post(client, key, chat(max_tokens=left - prompt_tokens))
     assert status == 200 and headers["x-ratelimit-remaining-tokens"] == "0"  # what was left still serves
+    metrics = await (await client.get("/metrics")).text()
+    counted = [line for line in metrics.splitlines() if line.startswith("prefixgate_prompt_tokens_total{")]
+    assert counted and counted[0].endswith(f" {2 * prompt_tokens}.0"), counted  # refused ones bill nothing
 
 
 async def burst(client, key: str, n: int, **extra) -> list[tuple[int, dict, dict]]:
@@ -256,3 +259,48 @@ async def test_tenant_limits_are_policy_fields(client):
     assert tenant["max_concurrent_requests"] is None and tenant["rate_limit_tpm"] == 1000
     bad = await client.patch(f"/admin/v1/tenants/{tenant_id}", json={"rate_limit_tpm": -1}, headers=ADMIN)
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "rate_limit_tpm"
+
+
+async def test_token_limit_is_shared_by_replicas_through_redis(aiohttp_client, pg_url, tmp_path, worker_url):
+    from gateway.ratelimit import WINDOW_S
+    from gateway.state import POLICY_CACHE
+    from tests.tenancy.db_support import REDIS_ENV, service_url
+
+    redis_url = service_url(REDIS_ENV, "Redis")
+    replicas = [
+        await aiohttp_client(
+            create_app(make_config(pg_url, tmp_path / name, worker_urls=(worker_url,), redis_url=redis_url))
+        )
+        for name in ("a", "b")
+    ]
+    key = await new_tenant(replicas[0], name=f"tpm-{time.time_ns()}", rate_limit_tpm=150)
+    await replicas[1].app[POLICY_CACHE].reload()
+    if time.time() % WINDOW_S > WINDOW_S - 3:  # keep the requests inside one fixed window
+        await asyncio.sleep(WINDOW_S - time.time() % WINDOW_S)
+    first = await post(replicas[0], key, chat(max_tokens=70))
+    second = await post(replicas[1], key, chat(max_tokens=70))
+    assert first[0] == 200 and second[0] == 429, (first, second)  # 2 x (prompt + 70) > 150 together
+    assert second[1]["x-ratelimit-limit-tokens"] == "150"
+
+
+async def test_cpu_pool_runs_off_the_loop_and_refuses_past_its_queue():
+    import threading
+
+    from gateway.cpu import CpuPool
+    from gateway.errors import Unavailable
+
+    pool = CpuPool(num_threads=1, max_waiting=1)
+    release = threading.Event()
+    try:
+        running = asyncio.create_task(pool.run(release.wait, 10))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.create_task(pool.run(threading.get_ident))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Unavailable) as refused:
+            await pool.run(threading.get_ident)
+        assert refused.value.code == "server_busy" and refused.value.retry_after_s == 1
+        release.set()
+        assert await running is True and await waiting != threading.get_ident()  # not the loop's thread
+    finally:
+        release.set()
+        pool.close()

@@ -22,7 +22,7 @@ from tests.gateway.conftest import ADMIN, make_config
 from tests.worker_process import free_port, worker_process
 
 MODEL = "random-tiny"
-BOUND_S = 20  # "not hung": far above any normal answer here, far below the 600 s worker timeout
+BOUND_S = 60  # "not hung": far above any normal answer on a loaded CI box, far below the 600 s worker timeout
 
 
 def auth(key: str) -> dict[str, str]:
@@ -97,7 +97,7 @@ async def test_killed_worker_requests_end_fast_and_new_ones_go_elsewhere(
     key = await new_tenant(client)
     long = [
         asyncio.create_task(
-            ask(client, key, f"long {i}", max_tokens=1500, ignore_eos=True, stream=i % 2 == 0)
+            ask(client, key, f"long {i}", max_tokens=1000, ignore_eos=True, stream=i % 2 == 0)
         )
         for i in range(6)
     ]
@@ -109,7 +109,7 @@ async def test_killed_worker_requests_end_fast_and_new_ones_go_elsewhere(
     fresh = await asyncio.wait_for(
         asyncio.gather(*(ask(client, key, f"after {i}", max_tokens=4) for i in range(12))), BOUND_S
     )
-    assert [status for status, _ in fresh] == [200] * 12, fresh
+    assert [status for status, _ in fresh] == [200] * 12, [body for status, body in fresh if status != 200]
     assert time.monotonic() - started < BOUND_S
     assert not pool.workers[url].healthy
 
@@ -124,7 +124,7 @@ async def test_hung_worker_is_detected_and_its_requests_end(
     key = await new_tenant(client)
     long = [
         asyncio.create_task(
-            ask(client, key, f"long {i}", max_tokens=3000, ignore_eos=True, stream=i % 2 == 0)
+            ask(client, key, f"long {i}", max_tokens=1000, ignore_eos=True, stream=i % 2 == 0)
         )
         for i in range(6)
     ]
