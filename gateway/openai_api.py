@@ -78,10 +78,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        if not call.headers_sent:
-            call.status = STATUS_CLIENT_CLOSED
-        draining = request.config_dict[DRAIN].started
-        call.outcome = call.outcome or (OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED)
+        _cut(request, call)
         raise
     except Exception:
         if not call.headers_sent:
@@ -90,6 +87,18 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         raise
     finally:
         _record(request, call, time.perf_counter() - started)
+
+
+def _cut(request: web.Request, call: TenantCall) -> None:
+    """A request ended by a cancellation: the client's doing (499, nginx's convention even after the
+    headers went out), unless the gateway is shutting down."""
+    if request.config_dict[DRAIN].started:
+        call.outcome = call.outcome or OUTCOME_SHUTDOWN
+        if not call.headers_sent:
+            call.status = 503
+    else:
+        call.outcome = call.outcome or OUTCOME_CLIENT_CANCELLED
+        call.status = STATUS_CLIENT_CLOSED
 
 
 async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> None:
@@ -185,8 +194,7 @@ async def _stream(request: web.Request, call: TenantCall, prepared: PreparedRequ
             call.outcome = OUTCOME_SERVER_ERROR
             await response.write(writer.error(exc.to_json()))
         except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
-            draining = request.config_dict[DRAIN].started
-            call.outcome = OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED
+            _cut(request, call)
             return response
         except asyncio.CancelledError:
             if not request.config_dict[DRAIN].started:
