@@ -35,7 +35,6 @@ from tenancy.usage_types import (
     OUTCOME_SHUTDOWN,
 )
 
-__all__ = ["STATUS_CLIENT_CLOSED", "TenantCall", "add_routes"]
 CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved out of the prefix
 
 
