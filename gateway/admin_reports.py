@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, Unavailable
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.reports import (
     EXPORT_FIELDS,
@@ -136,7 +136,10 @@ async def rejected_list_handler(request: web.Request) -> web.Response:
 
 async def rejected_retry_handler(request: web.Request) -> web.Response:
     """POST /usage/rejected/retry: try them again now."""
-    stored, still_rejected = await request.config_dict[USAGE_WRITER].retry_rejected()
+    try:
+        stored, still_rejected = await request.config_dict[USAGE_WRITER].retry_rejected()
+    except Exception as exc:  # the database is unreachable: nothing was lost, try again later
+        raise Unavailable(f"the usage database is unavailable: {exc.__class__.__name__}") from exc
     return web.json_response({"stored": stored, "rejected": still_rejected})
 
 

@@ -34,7 +34,7 @@ class TenantCall:
     key_id: str | None = None
     end_user: str | None = None  # the request's `user` field
     model: str = ""
-    status: int = 200  # HTTP status the client got (a stream keeps its 200 once its headers went out)
+    status: int = 200  # HTTP status (a server-cut stream keeps its 200; a client hang-up is 499)
     outcome: str | None = None  # who ended it (tenancy.usage_types.OUTCOMES); None: not decided yet
     headers_sent: bool = False  # a stream's 200 went out
     num_prompt_tokens: int = 0  # known before the worker answers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -34,7 +35,9 @@ class Drain:
             log.info("draining: requests in flight get %.0f s to finish", self.grace_s)
 
 
-def on_shutdown(drain: Drain):  # type: ignore[no-untyped-def]
+def on_shutdown(drain: Drain) -> Callable[[web.Application], Awaitable[None]]:
+    """The ``app.on_shutdown`` hook that starts the drain (aiohttp calls it once listening stopped)."""
+
     async def handler(_app: web.Application) -> None:
         drain.start()
 

@@ -43,7 +43,6 @@ from tenancy.usage_types import (
     OUTCOME_SHUTDOWN,
 )
 
-__all__ = ["STATUS_CLIENT_CLOSED", "TenantCall", "add_routes"]
 CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved out of the prefix
 
 
@@ -101,10 +100,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        if not call.headers_sent:
-            call.status = STATUS_CLIENT_CLOSED
-        draining = request.config_dict[DRAIN].started
-        call.outcome = call.outcome or (OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED)
+        _cut(request, call)
         raise
     except Exception:
         if not call.headers_sent:
@@ -115,6 +111,18 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         if entered:
             gate.leave(tenant.tenant_id)
         _record(request, call, time.perf_counter() - started)
+
+
+def _cut(request: web.Request, call: TenantCall) -> None:
+    """A request ended by a cancellation: the client's doing (499, nginx's convention even after the
+    headers went out), unless the gateway is shutting down."""
+    if request.config_dict[DRAIN].started:
+        call.outcome = call.outcome or OUTCOME_SHUTDOWN
+        if not call.headers_sent:
+            call.status = 503
+    else:
+        call.outcome = call.outcome or OUTCOME_CLIENT_CANCELLED
+        call.status = STATUS_CLIENT_CLOSED
 
 
 async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[str, str]:
@@ -279,8 +287,7 @@ async def _stream(
             call.outcome = OUTCOME_SERVER_ERROR
             await response.write(writer.error(exc.to_json(call.request_id)))
         except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
-            draining = request.config_dict[DRAIN].started
-            call.outcome = OUTCOME_SHUTDOWN if draining else OUTCOME_CLIENT_CANCELLED
+            _cut(request, call)
             return response
         except asyncio.CancelledError:
             if not request.config_dict[DRAIN].started:

@@ -18,9 +18,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.models import UsageRecord
-from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED, Prices
-
-__all__ = ["GRANULARITY_HOURS", "Prices", "ReportRow", "export_requests", "usage_report"]
+from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED
 
 GRANULARITY_HOURS = {"hour": 1, "day": 24}
 _SUMMED = (

@@ -36,6 +36,7 @@ from tenancy.usage_types import UsageEvent
 log = logging.getLogger(__name__)
 
 _INSERT_CHUNK = 500
+_CANCEL_GRACE_S = 1.0  # how long a cancelled database call may take to release its connection
 T = TypeVar("T")
 
 
@@ -113,6 +114,7 @@ class UsageWriter:
         self._rejected_retry_s = rejected_retry_s
         self._max_backoff_s = max_backoff_s
         self._pending: list[UsageEvent] = []
+        self._num_in_flight = 0  # records of the batch a flush is writing
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._replay_offset = 0  # bytes of the moved-aside spool already stored
@@ -133,7 +135,8 @@ class UsageWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Records in memory: waiting, or in the batch being written."""
+        return len(self._pending) + self._num_in_flight
 
     def spool_depth(self) -> int:
         return self.spool.depth(self._replay_offset)
@@ -149,7 +152,10 @@ class UsageWriter:
         try:
             done, _ = await asyncio.wait({task}, timeout=self._db_timeout_s)
         except asyncio.CancelledError:
+            # Shutdown: let the call release its connection before the engine is disposed (a driver
+            # closing a connection under a disposed pool never finishes), for a bounded time.
             task.cancel()
+            await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
             self._abandon(task)
             raise
         if not done:
@@ -260,6 +266,7 @@ class UsageWriter:
         """Write a slice of the spool, then the pending records; on failure spool the pending ones."""
         async with self._lock:
             batch, self._pending = self._pending, []
+            self._num_in_flight = len(batch)
             stored = False
             try:
                 if not self._database_available():
@@ -278,6 +285,8 @@ class UsageWriter:
                     self._db_failed(exc)
                 if batch and not await self._to_spool(batch):
                     self._pending[:0] = batch
+            finally:
+                self._num_in_flight = 0
         await self._retry_rejected_if_due()
 
     def _spool_now(self, batch: list[UsageEvent]) -> None:
@@ -331,8 +340,11 @@ class UsageWriter:
             for event in self._pending:
                 log.critical("USAGE RECORD NOT STORED: %s", json.dumps(event.to_json()))
             self._pending = []
-        for task in list(self._abandoned):
+        stuck = [task for task in self._abandoned if not task.done()]
+        for task in stuck:
             task.cancel()
+        if stuck:  # released before the engine is disposed, unless the database hangs
+            await asyncio.wait(stuck, timeout=_CANCEL_GRACE_S)
 
 
 def _take(iterator: Iterable[T], count: int) -> list[T]:

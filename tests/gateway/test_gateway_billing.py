@@ -81,7 +81,7 @@ async def test_stream_the_client_closes_is_billed_what_was_sent(gateway):
     response.close()  # the client hangs up part-way
     [row] = await wait_records(gateway, 1)
     text = streamed_text(parse_sse(received))
-    assert row.outcome == "client_cancelled" and row.status == 200
+    assert row.outcome == "client_cancelled" and row.status == 499
     assert len(text) <= row.completion_tokens < 3000  # at least what the client read; not all of it
     assert row.prompt_tokens > 64 and row.end_user == "alice"
     assert row.key_id == await key_id_of(gateway, tenant["id"])
@@ -228,3 +228,27 @@ async def test_report_endpoints_export_and_rejected_records(gateway):
     assert retried == {"stored": 0, "rejected": 0}
     metrics = await (await gateway.get("/metrics")).text()
     assert "prefixgate_usage_rejected 0.0" in metrics
+
+
+async def test_cli_report_commands(gateway, capsys, monkeypatch):
+    from tests.gateway.conftest import ADMIN_TOKEN
+    from tests.gateway.test_gateway_admin_api import run_cli
+
+    monkeypatch.setenv("PREFIXGATE_URL", str(gateway.make_url("")))
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+    key = (await create_tenant(gateway, name="cli-billing"))["api_key"]
+    for user in ("ann", "bob"):
+        body = {**chat_body(unique_system_prompt()), "user": user}
+        assert (await gateway.post("/v1/chat/completions", json=body, headers=auth(key))).status == 200
+    await wait_records(gateway, 2)
+    code, out, _ = await run_cli(capsys, "report", "usage", "--tenant", "cli-billing", "--by-end-user")
+    assert code == 0 and sorted(r["end_user"] for r in json.loads(out)["data"]) == ["ann", "bob"]
+    code, out, _ = await run_cli(capsys, "report", "requests", "--tenant", "cli-billing", "--limit", "1")
+    first = json.loads(out)
+    assert code == 0 and len(first["data"]) == 1 and first["has_more"] is True
+    code, out, _ = await run_cli(capsys, "report", "requests", "--cursor", first["next_cursor"])
+    assert [r["end_user"] for r in json.loads(out)["data"]] == ["bob"]
+    code, out, _ = await run_cli(capsys, "report", "rejected")
+    assert code == 0 and json.loads(out)["total"] == 0
+    code, out, _ = await run_cli(capsys, "report", "rejected", "--retry")
+    assert code == 0 and json.loads(out) == {"stored": 0, "rejected": 0}

@@ -11,6 +11,7 @@ from gateway.state import USAGE_WRITER
 from migrations import upgrade_database_async
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.models import UsageRecord
+from tenancy.spool import UsageSpool
 from tests.gateway.conftest import create_tenant, make_config
 from tests.gateway.test_gateway_e2e import auth, chat, chat_body, unique_system_prompt
 from tests.tenancy.db_support import POSTGRES_ENV, _pg_admin, service_url
@@ -48,7 +49,7 @@ async def test_outage_spools_and_restart_replays(aiohttp_client, tmp_path, worke
         missing = await first.post("/v1/chat/completions", json={"model": "x"}, headers=auth(key))
         assert missing.status == 400
         await first.close()  # shutdown: the pending record cannot reach the database either
-        assert config.resolved_spool_path.read_text().count("\n") == 3
+        assert UsageSpool(config.resolved_spool_path).depth() == 3  # the spool (and a replay under way)
 
         await _pg_admin(base, f'CREATE DATABASE "{name}"')  # the database returns (empty)
         await upgrade_database_async(url)

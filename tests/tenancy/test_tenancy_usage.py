@@ -1,6 +1,7 @@
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 
 from migrations import upgrade_database_async
@@ -234,3 +235,39 @@ async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, t
     assert await count(sessionmaker) == 2 and writer.spool.depth() == 0
     assert [e.request_id for e in writer.rejected.read()] == ["poison"]
     await engine.dispose()
+
+
+def test_migration_0003_freezes_the_rows_recorded_before_it(tmp_path: Path):
+    """Rows from before 0003 get their tenant's prices of that moment (defaults where none or gone),
+    its name and an outcome, so that later price changes no longer re-price them."""
+    from migrations import upgrade_database
+    from tests.migrations.test_migrations_schema import execute
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade_database(url, "0002")
+    row = (
+        "INSERT INTO usage_records (request_id, tenant_id, model, endpoint, status, prompt_tokens,"
+        " cached_tokens, cached_l1_tokens, cached_l2_tokens, cached_l3_tokens, cached_remote_tokens,"
+        " completion_tokens, prefill_ms, saved_prefill_ms, created_at, created_hour) VALUES"
+    )
+    execute(
+        url,
+        "INSERT INTO tenants (id, name, isolation, reserved_blocks, canonicalization, share_hot_prefixes,"
+        " epoch, price_output_per_mtok, created_at, updated_at) VALUES ('tn_1', 'kept', 'namespace', 0,"
+        " 'report', 0, 0, 5.0, '2026-01-01 00:00:00', '2026-01-01 00:00:00')",
+        f"{row} ('r1', 'tn_1', 'm', 'completions', 200, 1000000, 400000, 0, 0, 0, 0, 100000, 0, 0,"
+        " '2026-01-01 00:00:00', 0)",
+        f"{row} ('r2', 'tn_gone', 'm', 'completions', 499, 10, 0, 0, 0, 0, 0, 0, 0, 0,"
+        " '2026-01-01 00:00:00', 0)",
+    )
+    upgrade_database(url)
+    rows = execute(
+        url,
+        "SELECT request_id, tenant_name, outcome, price_input_per_mtok, price_output_per_mtok,"
+        " cost_uncached_input, cost_cached_input, cost_output, cost_total FROM usage_records"
+        " ORDER BY request_id",
+    )
+    assert [tuple(r) for r in rows] == [
+        ("r1", "kept", "completed", 1.0, 5.0, 0.6, 0.04, 0.5, pytest.approx(1.14)),
+        ("r2", None, "client_cancelled", 1.0, 2.0, 0.00001, 0.0, 0.0, 0.00001),
+    ]

@@ -1,0 +1,61 @@
+"""A database that hangs (SIGSTOPped, not refusing) while the gateway serves and stops: tenants are
+served, usage goes to the spool within the write deadline, and shutdown does not wait on the database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.app import create_app
+from gateway.state import USAGE_WRITER
+from migrations import upgrade_database_async
+from tenancy.spool import UsageSpool
+from tests.gateway.conftest import create_tenant, make_config
+from tests.gateway.test_gateway_e2e import auth, chat_body, unique_system_prompt
+from tests.tenancy.private_postgres import private_postgres
+from tests.tenancy.test_tenancy_usage_durability import stored_ids
+
+
+async def test_hung_database_spools_and_shutdown_is_bounded(aiohttp_client, tmp_path, worker_url):
+    try:
+        manager = private_postgres()
+        pg = manager.__enter__()
+    except LookupError as exc:
+        pytest.skip(f"no private PostgreSQL for fault tests: {exc}")
+    try:
+        await upgrade_database_async(pg.url)
+        config = make_config(
+            pg.url, tmp_path, worker_urls=(worker_url,), usage_db_timeout_s=1.0, policy_refresh_s=0.2
+        )
+        client = await aiohttp_client(create_app(config))
+        key = (await create_tenant(client))["api_key"]
+        first = await client.post(
+            "/v1/chat/completions", json=chat_body(unique_system_prompt()), headers=auth(key)
+        )
+        assert first.status == 200
+        await client.app[USAGE_WRITER].flush()
+        pg.pause()
+        try:
+            for _ in range(3):  # served from the cached policy snapshot while the database hangs
+                body = chat_body(unique_system_prompt())
+                response = await asyncio.wait_for(
+                    client.post("/v1/chat/completions", json=body, headers=auth(key)), 30
+                )
+                assert response.status == 200
+            writer = client.app[USAGE_WRITER]
+            for _ in range(100):  # within the write deadline (1 s) and a backoff, not never
+                if writer.pending == 0 and writer.spool_depth() == 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert writer.pending == 0 and writer.spool_depth() == 3
+            started = time.monotonic()
+            await asyncio.wait_for(client.close(), 30)
+            assert time.monotonic() - started < 10
+        finally:
+            pg.resume()
+        assert UsageSpool(config.resolved_spool_path).depth() == 3
+        assert len(await stored_ids(pg.url)) == 1
+    finally:
+        manager.__exit__(None, None, None)
