@@ -110,3 +110,15 @@ async def test_embedding_loads_and_runs_off_the_event_loop():
     assert first.shape == (EMBEDDING_DIM,) and abs(float(np.linalg.norm(first)) - 1) < 1e-4
     assert float(first @ near) > float(first @ far)
     embedder.close()
+
+
+def test_the_gateway_imports_neither_torch_nor_the_embedding_stack():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gateway.app, gateway.cli, gateway.near_miss, gateway.embedding;"
+        "print(sorted(m for m in ('torch', 'sentence_transformers', 'faiss') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
