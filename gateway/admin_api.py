@@ -17,6 +17,7 @@ from gateway.errors import (
     NotFoundError,
     PermissionDenied,
 )
+from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
 from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
 from gateway.state import CONFIG, NEAR_MISS, POLICY_CACHE, REPOSITORY, WORKER_POOL
@@ -250,6 +251,8 @@ def create_admin_app() -> web.Application:
     r.add_delete("/tenants/{tenant_id}", delete_tenant)
     r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant)
     r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings)
+    r.add_get("/namespace-secret", namespace_secret_status)
+    r.add_post("/namespace-secret/rotate", rotate_namespace_secret)
     r.add_get("/tenants/{tenant_id}/keys", list_keys)
     r.add_post("/tenants/{tenant_id}/keys", create_key)
     r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key)

@@ -254,6 +254,19 @@ def openapi_spec() -> dict[str, Any]:
                 security=admin,
             )
         },
+        "/admin/v1/namespace-secret": {
+            "get": _op(
+                "Epoch of the deployment's namespace secret in force, and the one this replica uses",
+                security=admin,
+            )
+        },
+        "/admin/v1/namespace-secret/rotate": {
+            "post": _op(
+                "New namespace secret under the next epoch (invalidates every cached block once the "
+                "replicas restart); 409 when the secret is configured",
+                security=admin,
+            )
+        },
         "/admin/v1/hot-prefixes": {
             "get": _op(
                 "Promoted hot prefixes (hash, tokens, hits, tenant count; never tenants or text)",

@@ -44,3 +44,4 @@ PREFIX_INDEX = web.AppKey("prefix_index", PrefixIndex)
 NEAR_MISS = web.AppKey("near_miss", NearMissRouting)
 KV_CONSUMER = web.AppKey("kv_consumer", KVEventConsumer)
 UNKNOWN_FIELDS = web.AppKey("unknown_fields", UnknownFields)  # logged once per field name
+NAMESPACE_EPOCH = web.AppKey("namespace_epoch", int)  # of the secret in use (-1: configured)

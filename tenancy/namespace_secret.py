@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.models import NamespaceSecret
+from tenancy.repository import record_change
 
 SECRET_BYTES = 32
 
@@ -35,10 +36,11 @@ class NamespaceSecretRepository:
             )
         return None if row is None else SecretInForce(epoch=row.epoch, secret=row.secret)
 
-    async def _insert(self, epoch: int, secret: str) -> bool:
+    async def _insert(self, epoch: int, secret: str, *, actor: str = "gateway") -> bool:
         try:
             async with self._sessionmaker.begin() as session:
                 session.add(NamespaceSecret(epoch=epoch, secret=secret, created_at=datetime.now(UTC)))
+                await record_change(session, actor, "namespace_secret.create", None, {"epoch": epoch})
             return True
         except IntegrityError:  # another replica wrote this epoch first: theirs is in force
             return False
@@ -54,13 +56,13 @@ class NamespaceSecretRepository:
         assert found is not None
         return found
 
-    async def rotate(self) -> SecretInForce:
+    async def rotate(self, *, actor: str = "admin") -> SecretInForce:
         """A fresh secret under the next epoch (every namespace key changes: a global invalidation)."""
         while True:
             async with self._sessionmaker() as session:
                 last = await session.scalar(select(func.max(NamespaceSecret.epoch)))
             epoch = 0 if last is None else last + 1
-            if await self._insert(epoch, secrets.token_urlsafe(SECRET_BYTES)):
+            if await self._insert(epoch, secrets.token_urlsafe(SECRET_BYTES), actor=actor):
                 found = await self.current()
                 assert found is not None
                 return found

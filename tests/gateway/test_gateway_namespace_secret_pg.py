@@ -39,6 +39,18 @@ async def test_two_replicas_share_the_databases_secret(aiohttp_client, pg_url, t
     assert (await completion(a, created["api_key"], prompt))["prompt_tokens_details"]["cached_tokens"] == 0
     assert (await completion(b, created["api_key"], prompt))["prompt_tokens_details"]["cached_tokens"] >= 48
 
+    # Rotation: a new epoch in the database; each replica says which one it still uses until restarted.
+    status = await (await a.get("/admin/v1/namespace-secret", headers=ADMIN)).json()
+    assert status["source"] == "database" and status["epoch"] == status["epoch_in_use"]
+    assert "secret" not in status
+    rotated = await (await b.post("/admin/v1/namespace-secret/rotate", headers=ADMIN)).json()
+    assert rotated["epoch"] == status["epoch"] + 1 and rotated["restart_required"]
+    after = await (await a.get("/admin/v1/namespace-secret", headers=ADMIN)).json()
+    assert (after["epoch"], after["epoch_in_use"]) == (rotated["epoch"], status["epoch"])
+    c = await aiohttp_client(create_app(make_config(pg_url, tmp_path / "c", namespace_salt=None)))
+    on_c = await (await c.get(f"/admin/v1/tenants/{created['id']}", headers=ADMIN)).json()
+    assert on_c["namespace_id"] != on_a["namespace_id"]  # a replica started after it: new namespaces
+
 
 async def test_secret_is_created_once_seeded_from_a_legacy_file_and_rotated(pg_url, tmp_path):
     engine = create_engine(pg_url)
@@ -47,11 +59,11 @@ async def test_secret_is_created_once_seeded_from_a_legacy_file_and_rotated(pg_u
     legacy_dir = tmp_path / "legacy"
     legacy_dir.mkdir()
     (legacy_dir / "namespace_salt").write_text("old-salt\n")
-    resolved = await resolve_namespace_secret(
+    resolved, epoch = await resolve_namespace_secret(
         make_config(pg_url, legacy_dir, namespace_salt=None), repository
     )
-    assert resolved.namespace_salt == first.secret  # an existing deployment secret beats a legacy file
-    given = await resolve_namespace_secret(
+    assert (resolved.namespace_salt, epoch) == (first.secret, first.epoch)  # the deployment's beats a file
+    given, _ = await resolve_namespace_secret(
         make_config(pg_url, tmp_path, namespace_salt="explicit"), repository
     )
     assert given.namespace_salt == "explicit"
@@ -65,8 +77,15 @@ async def test_a_legacy_salt_file_seeds_a_fresh_database(sqlite_url, tmp_path):
     (tmp_path / "namespace_salt").write_text("old-salt\n")
     engine = create_engine(sqlite_url)
     repository = NamespaceSecretRepository(create_sessionmaker(engine))
-    resolved = await resolve_namespace_secret(
+    resolved, _ = await resolve_namespace_secret(
         make_config(sqlite_url, tmp_path, namespace_salt=None), repository
     )
     assert resolved.namespace_salt == "old-salt" and (await repository.current()).epoch == 0
     await engine.dispose()
+
+
+async def test_a_configured_secret_is_not_rotated_through_the_api(client):
+    status = await (await client.get("/admin/v1/namespace-secret", headers=ADMIN)).json()
+    assert status["source"] == "config" and status["epoch_in_use"] is None
+    response = await client.post("/admin/v1/namespace-secret/rotate", headers=ADMIN)
+    assert response.status == 409 and (await response.json())["error"]["code"] == "secret_configured"

@@ -81,3 +81,44 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
     assert 'prefixgate_near_miss_routes_total{outcome="moved"}' in metrics
     for s in (sdk, sdk_other, sdk_plain):
         await s.close()
+
+
+async def test_embedding_loads_and_runs_off_the_event_loop():
+    import asyncio
+
+    import numpy as np
+
+    from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
+
+    embedder = PromptEmbedder()
+    ticks = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    first = await embedder.embed("You are a careful assistant for Acme invoices.")  # loads the model too
+    done.set()
+    await task
+    assert ticks >= 5  # the loop kept running while the model loaded and ran in its thread
+    near = await embedder.embed("You are a careful assistant for Acme receipts.")
+    far = await embedder.embed("Reticulating splines in the quantum chromodynamics lab.")
+    assert first.shape == (EMBEDDING_DIM,) and abs(float(np.linalg.norm(first)) - 1) < 1e-4
+    assert float(first @ near) > float(first @ far)
+    embedder.close()
+
+
+def test_the_gateway_imports_neither_torch_nor_the_embedding_stack():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, gateway.app, gateway.cli, gateway.near_miss, gateway.embedding;"
+        "print(sorted(m for m in ('torch', 'sentence_transformers', 'faiss') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -3,10 +3,14 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.kv_index import PrefixIndex
 from gateway.routing import (
     ROUTERS,
+    KVAwareRouter,
     LeastLoadedRouter,
+    RandomRouter,
     RendezvousRouter,
+    RoundRobinRouter,
     RouteRequest,
     WorkerLoad,
     cache_key_affinity,
@@ -58,9 +62,6 @@ def test_cache_key_affinity_is_namespaced():
 
 
 # --- KV-aware routing and the KV-event prefix index ------------------------------------------------
-
-from gateway.kv_index import PrefixIndex  # noqa: E402
-from gateway.routing import KVAwareRouter, RandomRouter, RoundRobinRouter  # noqa: E402
 
 
 def stored(seq: int, block: bytes, ns: str, medium: str = "L1") -> dict:
@@ -125,3 +126,16 @@ def test_baseline_routers_spread_requests():
     assert [robin.choose(request) for _ in range(8)] == sorted(URLS) * 2
     assert len({RandomRouter().choose(request) for _ in range(200)}) == 4
     assert isinstance(ROUTERS["kv_aware"](), KVAwareRouter)
+
+
+def test_index_clears_a_tier_and_resets_when_the_worker_says_so():
+    index = PrefixIndex()
+    a, b = b"a" * 32, b"b" * 32
+    events = [stored(1, a, "t-1"), stored(2, a, "t-1", "L2"), stored(3, b, "t-1")]
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 3, "events": events})
+    cleared = {"seq": 4, "type": "AllBlocksCleared", "medium": "L1"}
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 4, "events": [cleared]})
+    found = index.match(URLS[0], [a, b], ["t-1", "t-1"])
+    assert (found.num_blocks, found.weighted_blocks) == (1, 0.8)  # a survives in L2, b is gone
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 9, "reset": True, "events": []})
+    assert index.match(URLS[0], [a], ["t-1"]).num_blocks == 0 and index.position(URLS[0]) == ("w0", 9)
