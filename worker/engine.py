@@ -21,7 +21,7 @@ import blake3
 import torch
 
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
-from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.block_manager import BlockManager
 from worker.config import WorkerConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -368,12 +368,9 @@ class Engine:
 
     def _step(self) -> bool:
         """Run one engine step; returns False when nothing could run (waiting on I/O)."""
-        try:
-            step = self.scheduler.schedule()
-        except NoFreeBlocksError as exc:
-            seq = self.scheduler.waiting[0]
-            self._finish(seq, "error", error=str(exc))
-            return True
+        step = self.scheduler.schedule()
+        for seq, why in step.rejected:
+            self._finish(seq, "error", error=why)
         if step.is_empty:
             return False
         started = time.perf_counter()
