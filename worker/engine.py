@@ -21,16 +21,20 @@ import blake3
 import torch
 
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
+from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig
+from worker.histograms import LatencyHistogram
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
+from worker.protocol import SEED_MAX, SEED_MIN
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
+from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -64,6 +68,23 @@ class _Handle:
 def _deliver(batch: list[tuple[_Handle, RequestOutput]]) -> None:
     for handle, output in batch:
         handle.outputs.put_nowait(output)
+
+
+class CommandFailed(RuntimeError):
+    """An engine command raised; the engine kept running."""
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _request_id_of(arg: Any) -> str:
+    return arg if isinstance(arg, str) else getattr(arg, "request_id", "?")
+
+
+def _step_seqs(step: Any) -> list[Sequence]:
+    return list(step.decodes) + [chunk.seq for chunk in step.prefills]
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
@@ -106,6 +127,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             store=self.store,
+            max_wait_s=config.max_wait_s,
             clock=time.monotonic,
         )
         capacity_tokens = (num_blocks - 1) * config.block_size
@@ -127,6 +149,12 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.waiting_queue = WaitingQueue(
+            max_requests=config.max_waiting_requests, max_tokens=config.max_waiting_tokens
+        )
+        self.watchdog = StepWatchdog(stall_timeout_s=config.watchdog_timeout_s)
+        self.queue_time = LatencyHistogram()
+        self.ttft = LatencyHistogram()
 
     def _make_store(self, bytes_per_block: int) -> TieredStore | None:
         cfg = self.config
@@ -142,6 +170,7 @@ class Engine:
             remote_bytes=cfg.remote_bytes,
             remote_ttl_s=float(cfg.remote_ttl_s),
             remote_timeout_s=cfg.remote_timeout_ms / 1000,
+            remote_pause_s=cfg.remote_pause_s,
             remote_codec=cfg.remote_codec,
             eviction_policy=cfg.eviction_policy,
         )
@@ -182,6 +211,20 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (thread gone, or stuck with work pending), or None."""
+        if not self.alive:
+            return "engine thread is not running"
+        return self.watchdog.problem()
+
+    def check_capacity(self, num_prompt_tokens: int) -> None:
+        """Raise ``admission.Overloaded`` if a request this long would not be queued now."""
+        self.waiting_queue.check(num_prompt_tokens, drain_tokens_per_s=self.prefill_tokens_per_s)
+
+    def _post(self, command: str, arg: Any) -> None:
+        self.watchdog.work_arrived()
+        self._inbox.put((command, arg))
+
     # ---- public API (event-loop side) --------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served as given."""
@@ -192,6 +235,10 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {vocab})")
         if sampling.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
+        if not (0.0 <= sampling.temperature <= 100.0 and 0.0 < sampling.top_p <= 1.0 and sampling.top_k >= 0):
+            raise RequestError("temperature must be in [0, 100], top_p in (0, 1], top_k at least 0")
+        if sampling.seed is not None and not SEED_MIN <= sampling.seed <= SEED_MAX:
+            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -208,10 +255,16 @@ class Engine:
         *,
         use_cache: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks."""
+        """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
+
+        Raises:
+            RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
+        """
         self.validate(prompt_token_ids, sampling)
         if request_id in self._handles:
             raise RequestError(f"request id {request_id!r} is already running")
+        num_tokens = len(prompt_token_ids)
+        self.waiting_queue.enter(num_tokens, drain_tokens_per_s=self.prefill_tokens_per_s)
         handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
         seq = Sequence(
             request_id=request_id,
@@ -221,9 +274,10 @@ class Engine:
             use_cache=use_cache,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
+            in_waiting_queue=True,
         )
         self._handles[request_id] = handle
-        self._inbox.put(("add", seq))
+        self._post("add", seq)
         finished = False
         try:
             while not finished:
@@ -236,7 +290,7 @@ class Engine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._post("abort", request_id)
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._handles
@@ -248,9 +302,12 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, int]] = loop.create_future()
-        self._inbox.put(("purge", (namespace_id, loop, done)))
-        erased = await done
+        self._post("purge", (namespace_id, loop, done))
         failed: dict[str, str] = {}
+        try:
+            erased = await done
+        except CommandFailed as exc:
+            erased, failed["local"] = {}, str(exc)
         if self.store is not None:
             try:  # Redis can be slow: not on the engine thread
                 remote = await asyncio.to_thread(self.store.purge_remote, namespace_id)
@@ -265,12 +322,20 @@ class Engine:
         bm = self.block_manager
         return {
             **self.counters,
+            "engine_errors_total": self.counters["engine_errors_total"] + self.scheduler.num_admission_errors,
             "num_blocks_total": bm.num_blocks,
             "num_blocks_free": bm.num_free_blocks,
             "num_blocks_cached": bm.num_cached_blocks,
             "num_blocks_in_use": bm.num_blocks - bm.num_free_blocks - bm.num_evictable_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_queued": self.waiting_queue.num_requests,
+            "num_queued_tokens": self.waiting_queue.num_tokens,
+            "requests_rejected_overloaded": self.waiting_queue.num_rejected,
+            "histograms": {
+                "queue_time_seconds": self.queue_time.snapshot(),
+                "ttft_seconds": self.ttft.snapshot(),
+            },
             "evictions_total": bm.num_evictions,
             "eviction_policy": bm.policy.name,
             "reserved_blocks": dict(bm.reserved_blocks),
@@ -283,6 +348,8 @@ class Engine:
         idle = False
         while not self._stopping:
             block = not self.scheduler.has_work
+            if block:
+                self.watchdog.idle()
             # Work that only waits on a copy or a prefetch: sleep on the inbox briefly instead of spinning.
             timeout = 0.0005 if idle and not block else None
             try:
@@ -291,7 +358,8 @@ class Engine:
                     block, timeout = False, None
                     if command == "stop":
                         return
-                    self._handle_command(command, arg)
+                    self._run_command(command, arg)
+                    self.watchdog.progress()
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
@@ -301,6 +369,7 @@ class Engine:
                     log.exception("engine step failed")
                     self.counters["engine_errors_total"] += 1
                     self._fail_all(f"engine error: {type(exc).__name__}")
+                self.watchdog.progress()
             self._flush_outputs()
 
     def _flush_outputs(self) -> None:
@@ -314,10 +383,30 @@ class Engine:
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
+    def _run_command(self, command: str, arg: Any) -> None:
+        """Run one command; an exception fails only the request (or purge) it concerns."""
+        try:
+            self._handle_command(command, arg)
+        except Exception as exc:
+            self.counters["engine_errors_total"] += 1
+            message = f"engine error in {command}: {type(exc).__name__}"
+            if command == "add":
+                log.exception("engine command add failed for request %s", arg.request_id)
+                self._fail(arg, message)
+            elif command == "purge":
+                log.exception("engine command purge failed for namespace %s", arg[0])
+                arg[1].call_soon_threadsafe(_set_exception, arg[2], CommandFailed(message))
+            else:
+                log.exception("engine command %s failed (request %s)", command, _request_id_of(arg))
+                seq = self._sequences.get(arg) if isinstance(arg, str) else None
+                if seq is not None:
+                    self._fail(seq, message)
+
     def _handle_command(self, command: str, arg: Any) -> None:
         if command == "add":
             seq: Sequence = arg
             if seq.request_id not in self._handles:  # cancelled before it arrived
+                self._leave_queue(seq)
                 return
             for segment in seq.segments:
                 if segment.reserved_blocks:
@@ -348,6 +437,7 @@ class Engine:
         elif command == "abort":
             seq = self._sequences.pop(arg, None)
             if seq is not None and not seq.is_finished:
+                self._leave_queue(seq)
                 self.scheduler.finish(seq, "abort")
                 self.runner.forget(seq)
                 self.counters["requests_aborted"] += 1
@@ -371,27 +461,49 @@ class Engine:
         step = self.scheduler.schedule()
         for seq, why in step.rejected:
             self._finish(seq, "error", error=why)
+        for seq in step.admitted:
+            if seq.in_waiting_queue:  # first admission (not after a preemption)
+                self._leave_queue(seq)
+                self.queue_time.observe(self.scheduler.now_s() - seq.timings.arrival_s)
         if step.is_empty:
             return False
         started = time.perf_counter()
-        result = self.runner.execute(step)
+        try:
+            result = self.runner.execute(step)
+        except Exception as exc:  # fails the requests of this step only; the waiting ones are untouched
+            log.exception("model step failed for requests %s", [s.request_id for s in _step_seqs(step)])
+            self.counters["engine_errors_total"] += 1
+            for seq in _step_seqs(step):
+                self._fail(seq, f"engine error: {type(exc).__name__}")
+            return True
         elapsed = time.perf_counter() - started
         if result.num_prefill_tokens >= 64:
             rate = result.num_prefill_tokens / elapsed
             self.prefill_tokens_per_s = (
                 rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
             )
-        for seq in step.decodes:
-            self.scheduler.advance(seq, 1)
-        for chunk in step.prefills:
-            self.scheduler.advance(chunk.seq, chunk.length)
+        advances = [(seq, 1) for seq in step.decodes] + [(c.seq, c.length) for c in step.prefills]
+        for seq, num_tokens in advances:
+            self._isolated(seq, self.scheduler.advance, seq, num_tokens)
         now = time.monotonic()
         for seq, token in result.sampled.items():
+            if seq.is_finished:  # failed above
+                continue
             if seq.timings.first_token_s is None:
                 seq.timings.first_token_s = now
+                self.ttft.observe(now - seq.timings.arrival_s)
                 self.counters["cached_tokens_total"] += seq.num_cached_tokens
-            self._append_token(seq, token)
+            self._isolated(seq, self._append_token, seq, token)
         return True
+
+    def _isolated(self, seq: Sequence, fn: Any, *args: Any) -> None:
+        """Run per-request bookkeeping; an exception fails that request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("engine failed request %s", seq.request_id)
+            self.counters["engine_errors_total"] += 1
+            self._fail(seq, f"engine error: {type(exc).__name__}")
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         self.counters["generated_tokens_total"] += 1
@@ -421,9 +533,33 @@ class Engine:
                 )
             )
 
+    def _leave_queue(self, seq: Sequence) -> None:
+        if seq.in_waiting_queue:
+            seq.in_waiting_queue = False
+            self.waiting_queue.leave(len(seq.prompt_token_ids))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Fail one request whatever state it is in; the cleanup itself must not raise."""
+        try:
+            self._finish(seq, "error", error=message)
+        except Exception:
+            log.exception("cleaning up failed request %s", seq.request_id)
+            for queue_ in (self.scheduler.running, self.scheduler.waiting):
+                if seq in queue_:
+                    queue_.remove(seq)
+            seq.status = Status.FINISHED
+            handle = self._handles.get(seq.request_id)
+            if handle is not None:
+                output = RequestOutput(request_id=seq.request_id, finished=True, finish_reason="error")
+                output.error = message
+                handle.push(output)
+
     def _finish(self, seq: Sequence, reason: str, *, error: str) -> None:
-        self.scheduler.finish(seq, reason)
+        self._leave_queue(seq)
         self._sequences.pop(seq.request_id, None)
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, reason)
         self.runner.forget(seq)
         handle = self._handles.get(seq.request_id)
         if handle is not None:
@@ -433,7 +569,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(seq, "error", error=message)
+            self._fail(seq, message)
 
     def _warmup(self) -> None:
         """One uncached prefill before serving: warms kernels and measures the prefill speed."""

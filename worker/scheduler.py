@@ -14,6 +14,7 @@ that can never fit the pool is rejected alone.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from policies.hashing import block_hashes, chain_hash, root_hash, segment_at, to
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.sequence import Sequence, Status
 from worker.tiers.store import TieredStore
+
+log = logging.getLogger("prefixgate.worker")
 
 
 @dataclass(slots=True)
@@ -41,6 +44,7 @@ class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # finished by the engine with an error
+    admitted: list[Sequence] = field(default_factory=list)  # got their blocks in this step
 
     @property
     def is_empty(self) -> bool:
@@ -74,9 +78,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_wait_s = max_wait_s
+        self.num_admission_errors = 0  # requests failed because admitting them raised
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._clock = clock
+
+    def now_s(self) -> float:
+        return self._clock()
 
     @property
     def has_work(self) -> bool:
@@ -123,7 +131,14 @@ class Scheduler:
                 break
             if seq.prefetching:  # its blocks are still on their way from disk or Redis
                 continue
-            admitted = self._admit(seq)
+            try:
+                admitted = self._admit(seq)
+            except Exception as exc:  # one request's bad state must not stop admission for the others
+                log.exception("admitting request %s failed", seq.request_id)
+                self.num_admission_errors += 1
+                self.waiting.remove(seq)
+                out.rejected.append((seq, f"engine error: {type(exc).__name__}"))
+                continue
             if admitted is None:
                 self.waiting.remove(seq)
                 out.rejected.append((seq, self._too_large(seq)))
@@ -134,6 +149,7 @@ class Scheduler:
                 continue  # does not fit now: try the next ones
             self.waiting.remove(seq)
             self.running.append(seq)
+            out.admitted.append(seq)
             if seq.status is Status.PREFILLING:
                 budget -= self._plan_chunk(seq, budget, out)
         return out

@@ -64,6 +64,7 @@ class Sequence:
     block_origins: dict[BlockHash, str] = field(default_factory=dict)  # prefetched block -> tier it came from
     transfers: list[Any] = field(default_factory=list)  # copies into the device pool in flight
     loading_slots: list[int] = field(default_factory=list)  # L2 slots pinned while ``transfers`` run
+    in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
 
     @property
     def namespace_id(self) -> str:
