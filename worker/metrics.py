@@ -49,6 +49,7 @@ TIER_EVENTS = {
         "corrupt_deleted",
         "foreign_deleted",
         "files_evicted",
+        "dir_recreated",
     ),
     "remote": ("blocks_written", "blocks_evicted", "blocks_read", "errors", "corrupt_deleted"),
 }
