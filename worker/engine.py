@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -29,6 +28,16 @@ from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
 from worker.protocol import SEED_MAX, SEED_MIN
+from worker.request_io import (
+    CommandFailed,
+    Handle,
+    RequestError,
+    RequestOutput,
+    deliver,
+    request_id_of,
+    set_exception,
+    step_seqs,
+)
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.tiers.remote import RemoteUnavailable
@@ -37,54 +46,6 @@ from worker.tokenizer import IncrementalDetokenizer
 from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("prefixgate.worker")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (maps to HTTP 400)."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    text: str = ""  # new text since the previous output
-    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
-    finished: bool = False
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None  # set on the final output
-    error: str | None = None  # set when the engine failed the request
-
-
-@dataclass(slots=True)
-class _Handle:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput]
-    outbox: list[tuple[_Handle, RequestOutput]]  # the engine's per-step batch, shared by every handle
-
-    def push(self, output: RequestOutput) -> None:
-        """Queue an output; ``Engine._flush_outputs`` hands a step's outputs over in one wake-up."""
-        self.outbox.append((self, output))
-
-
-def _deliver(batch: list[tuple[_Handle, RequestOutput]]) -> None:
-    for handle, output in batch:
-        handle.outputs.put_nowait(output)
-
-
-class CommandFailed(RuntimeError):
-    """An engine command raised; the engine kept running."""
-
-
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-
-
-def _request_id_of(arg: Any) -> str:
-    return arg if isinstance(arg, str) else getattr(arg, "request_id", "?")
-
-
-def _step_seqs(step: Any) -> list[Sequence]:
-    return list(step.decodes) + [chunk.seq for chunk in step.prefills]
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
@@ -144,8 +105,8 @@ class Engine:
             "preemptions_total": 0,
             "engine_errors_total": 0,
         }
-        self._handles: dict[str, _Handle] = {}
-        self._outbox: list[tuple[_Handle, RequestOutput]] = []  # filled by the engine thread only
+        self._handles: dict[str, Handle] = {}
+        self._outbox: list[tuple[Handle, RequestOutput]] = []  # filled by the engine thread only
         self._sequences: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -265,7 +226,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already running")
         num_tokens = len(prompt_token_ids)
         self.waiting_queue.enter(num_tokens, drain_tokens_per_s=self.prefill_tokens_per_s)
-        handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
+        handle = Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -376,12 +337,12 @@ class Engine:
         """Hand this iteration's outputs to the event loop in one wake-up (not one per token)."""
         if not self._outbox:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, RequestOutput]]] = {}
         for handle, output in self._outbox:
             by_loop.setdefault(handle.loop, []).append((handle, output))
         self._outbox.clear()
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            loop.call_soon_threadsafe(deliver, batch)
 
     def _run_command(self, command: str, arg: Any) -> None:
         """Run one command; an exception fails only the request (or purge) it concerns."""
@@ -395,9 +356,9 @@ class Engine:
                 self._fail(arg, message)
             elif command == "purge":
                 log.exception("engine command purge failed for namespace %s", arg[0])
-                arg[1].call_soon_threadsafe(_set_exception, arg[2], CommandFailed(message))
+                arg[1].call_soon_threadsafe(set_exception, arg[2], CommandFailed(message))
             else:
-                log.exception("engine command %s failed (request %s)", command, _request_id_of(arg))
+                log.exception("engine command %s failed (request %s)", command, request_id_of(arg))
                 seq = self._sequences.get(arg) if isinstance(arg, str) else None
                 if seq is not None:
                     self._fail(seq, message)
@@ -471,9 +432,9 @@ class Engine:
         try:
             result = self.runner.execute(step)
         except Exception as exc:  # fails the requests of this step only; the waiting ones are untouched
-            log.exception("model step failed for requests %s", [s.request_id for s in _step_seqs(step)])
+            log.exception("model step failed for requests %s", [s.request_id for s in step_seqs(step)])
             self.counters["engine_errors_total"] += 1
-            for seq in _step_seqs(step):
+            for seq in step_seqs(step):
                 self._fail(seq, f"engine error: {type(exc).__name__}")
             return True
         elapsed = time.perf_counter() - started
