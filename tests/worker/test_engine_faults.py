@@ -83,3 +83,20 @@ async def test_the_waiting_queue_is_bounded_and_sheds_load_at_once(make_engine):
     assert stats["requests_rejected_overloaded"] == len(shed)
     assert stats["histograms"]["ttft_seconds"]["count"] == len(served)
     assert stats["histograms"]["queue_time_seconds"]["count"] == len(served)
+
+
+async def test_watchdog_reports_an_engine_thread_that_really_blocks(make_engine, tmp_path):
+    # The engine thread looks new prompts up in L3 under the disk tier's lock: holding that real lock from
+    # here blocks it for real (no hook in the product), as a hung disk would.
+    engine = make_engine(l2_bytes=1 << 16, l3_dir=tmp_path, l3_min_free_bytes=0, watchdog_timeout_s=0.5)
+    await run(engine, "warm", prompt_of(5, 40))
+    assert engine.health_problem() is None
+    with engine.store.disk._lock:
+        task = asyncio.ensure_future(run(engine, "blocked", prompt_of(6, 80)))
+        await asyncio.sleep(1.0)
+        problem = engine.health_problem()
+    assert problem is not None and "no progress" in problem
+    tokens, _, _ = await asyncio.wait_for(task, 30)
+    assert len(tokens) == 12
+    await asyncio.sleep(0.05)
+    assert engine.health_problem() is None
