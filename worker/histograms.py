@@ -21,9 +21,13 @@ class LatencyHistogram:
         self.sum_s += value_s
 
     def snapshot(self) -> dict[str, object]:
-        """Cumulative counts per upper bound (Prometheus style), the sum and the count."""
-        cumulative, total = [], 0
-        for bound, count in zip((*self.buckets_s, float("inf")), list(self.counts), strict=True):
+        """Cumulative counts per upper bound (Prometheus style: the last bound is "+Inf"), sum and count.
+
+        Strict JSON: the unbounded bucket's bound is the string "+Inf", never a float infinity.
+        """
+        cumulative: list[tuple[float | str, int]] = []
+        total = 0
+        for bound, count in zip((*self.buckets_s, "+Inf"), list(self.counts), strict=True):
             total += count
             cumulative.append((bound, total))
         return {"buckets": cumulative, "sum_s": self.sum_s, "count": total}

@@ -68,7 +68,7 @@ class EngineCollector(Collector):
         for name, doc in HISTOGRAMS.items():
             snap = (stats.get("histograms") or {}).get(name)
             if snap is not None:
-                buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in snap["buckets"]]
+                buckets = [(b if isinstance(b, str) else repr(b), n) for b, n in snap["buckets"]]
                 yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=snap["sum_s"])
         tiers = stats.get("tiers") or {}
         hits = CounterMetricFamily(

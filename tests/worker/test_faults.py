@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.worker_process import worker_process
@@ -129,6 +130,9 @@ async def test_health_and_latency_histograms(small_worker):
             assert r.status == 200 and (await r.json())["status"] == "ok"
         async with s.get(f"{small_worker}/metrics") as r:
             text = await r.text()
+        async with s.get(f"{small_worker}/v1/stats") as r:
+            stats_body = orjson.loads(await r.read())  # strict JSON (no Infinity), as the gateway parses it
+    assert stats_body["histograms"]["ttft_seconds"]["buckets"][-1][0] == "+Inf"
     assert 'prefixgate_worker_ttft_seconds_bucket{le="+Inf"}' in text
     assert "prefixgate_worker_queue_time_seconds_count" in text
     assert "prefixgate_worker_requests_rejected_overloaded_total" in text
