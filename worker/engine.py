@@ -319,6 +319,7 @@ class Engine:
                     block, timeout = False, None
                     if command == "stop":
                         return
+                    self.watchdog.progress()  # the clock runs from here if the command never returns
                     self._run_command(command, arg)
                     self.watchdog.progress()
             except queue.Empty:
