@@ -7,7 +7,13 @@ and stays after its sequences finish, until the eviction policy picks it. Invari
 - a cached block's parent (previous block of its chain) is cached too: eviction is leaf-first (a block
   with cached children is never a victim) and purge removes whole namespaces;
 - a block with ``ref_count > 0`` is never evicted, reused or freed;
-- ``free_block_ids`` holds exactly the blocks that are neither cached nor referenced.
+- ``free_block_ids`` holds exactly the blocks that are neither cached nor referenced;
+- a cached block is *pinned* while it is referenced or has a pinned cached child (leaf-first eviction can
+  never reach it); ``num_available_blocks`` counts only unpinned cached blocks, so it is exactly what
+  ``allocate`` can get (tests check this against real allocations after random operations).
+
+Reservations assume a reserved (dedicated) namespace's cached blocks form trees of their own, which holds
+because dedicated tenants never share a prefix with another namespace (DESIGN "Isolation levels").
 """
 
 from __future__ import annotations
@@ -43,11 +49,18 @@ class Block:
     parent_hash: BlockHash | None = None  # hash of the block before this one (None: first block)
     parent_id: int | None = None  # that block's id when it is cached in this pool
     num_children: int = 0  # cached blocks whose parent is this one
+    num_pinned_children: int = 0  # of those, the ones referenced or with a pinned child themselves
     namespace_id: str = ""  # owner tag (purge, quotas)
 
     def reset(self) -> None:
         self.block_hash, self.token_ids, self.namespace_id = None, (), ""
         self.parent_hash, self.parent_id = None, None
+        self.num_children = self.num_pinned_children = 0
+
+    @property
+    def pinned(self) -> bool:
+        """Referenced, or an ancestor of a referenced cached block: no eviction order can free it now."""
+        return self.ref_count > 0 or self.num_pinned_children > 0
 
 
 class BlockManager:
@@ -81,7 +94,7 @@ class BlockManager:
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
         self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others
         self._cached_by_ns: Counter[str] = Counter()
-        self._evictable_by_ns: Counter[str] = Counter()  # cached blocks with ref_count 0
+        self._evictable_by_ns: Counter[str] = Counter()  # cached blocks that are not pinned
         self.num_evictions = 0
         self._clock = clock
         # KV-event hooks (worker.kv_events): a block was published / unpublished. Set by the engine.
@@ -105,17 +118,24 @@ class BlockManager:
     def num_evictable_blocks(self) -> int:
         return sum(self._evictable_by_ns.values())
 
-    def num_available_blocks(self, namespace_id: str = "") -> int:
-        """Blocks that ``allocate`` could hand to ``namespace_id`` right now (free + evictable by it)."""
+    def num_available_blocks(self, namespace_id: str = "", *, ignore_reservations: bool = False) -> int:
+        """Blocks that ``allocate`` could hand to ``namespace_id`` right now (free + evictable by it).
+
+        Exact: ``allocate`` succeeds this many times in a row and not once more (pinned blocks and other
+        owners' reservations are left out). ``ignore_reservations`` counts reserved blocks as evictable.
+        """
         protected = 0
-        for ns, reserved in self.reserved_blocks.items():
-            if ns != namespace_id:
-                evictable = self._evictable_by_ns[ns]
-                protected += evictable - min(evictable, max(0, self._cached_by_ns[ns] - reserved))
+        if not ignore_reservations:
+            for ns, reserved in self.reserved_blocks.items():
+                if ns != namespace_id:
+                    evictable = self._evictable_by_ns[ns]
+                    protected += evictable - min(evictable, max(0, self._cached_by_ns[ns] - reserved))
         return self.num_free_blocks + self.num_evictable_blocks - protected
 
-    def can_allocate(self, num_blocks: int, namespace_id: str = "") -> bool:
-        return self.num_available_blocks(namespace_id) >= num_blocks
+    def can_allocate(
+        self, num_blocks: int, namespace_id: str = "", *, ignore_reservations: bool = False
+    ) -> bool:
+        return self.num_available_blocks(namespace_id, ignore_reservations=ignore_reservations) >= num_blocks
 
     def match_prefix(self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
         """Ids of the longest run of cached blocks matching ``hashes`` from the first block on.
@@ -150,23 +170,45 @@ class BlockManager:
         now = self._clock()
         for block_id in reversed(block_ids):  # deepest first, so ancestors look more recently used
             block = self.blocks[block_id]
-            if block.ref_count == 0:
-                self._evictable_by_ns[block.namespace_id] -= 1
-            block.ref_count += 1
             assert block.block_hash is not None, "only cached blocks are shared"
+            was_pinned = block.pinned
+            block.ref_count += 1
+            if not was_pinned:
+                self._pin_changed(block, pinned=True)
             self.policy.on_hit(content_id(block.block_hash), now)
 
-    def allocate(self, namespace_id: str = "") -> int:
+    def allocate(self, namespace_id: str = "", *, ignore_reservations: bool = False) -> int:
         """A fresh private block with ``ref_count == 1``, evicting a cached block if none is free.
 
         Raises:
             NoFreeBlocksError: every block is referenced or protected.
         """
         if not self.free_block_ids:
-            self._evict_one(namespace_id)
+            self._evict_one(namespace_id, ignore_reservations=ignore_reservations)
         block_id = self.free_block_ids.popleft()
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def allocate_many(
+        self, num_blocks: int, namespace_id: str = "", *, ignore_reservations: bool = False
+    ) -> list[int]:
+        """``num_blocks`` fresh private blocks, or none at all.
+
+        Raises:
+            NoFreeBlocksError: fewer are available; nothing was taken (and nothing evicted).
+        """
+        if not self.can_allocate(num_blocks, namespace_id, ignore_reservations=ignore_reservations):
+            raise NoFreeBlocksError(
+                f"{num_blocks} blocks needed, {self.num_available_blocks(namespace_id)} available"
+            )
+        taken: list[int] = []
+        try:
+            for _ in range(num_blocks):
+                taken.append(self.allocate(namespace_id, ignore_reservations=ignore_reservations))
+        except BaseException:
+            self.release(taken)  # all or nothing, even if the count above were ever wrong
+            raise
+        return taken
 
     def cache(
         self,
@@ -198,7 +240,9 @@ class BlockManager:
         block.parent_hash, block.parent_id, block.namespace_id = parent_hash, parent_id, namespace_id
         self.hash_to_block_id[block_hash] = block_id
         self._cached_by_ns[namespace_id] += 1
-        if block.ref_count == 0:
+        if block.pinned:
+            self._pin_parent(block, pinned=True)
+        else:
             self._evictable_by_ns[namespace_id] += 1
         meta = BlockMeta(
             position=position,
@@ -223,8 +267,8 @@ class BlockManager:
                 if block.block_hash is None:
                     block.reset()
                     self.free_block_ids.append(block_id)
-                else:
-                    self._evictable_by_ns[block.namespace_id] += 1
+                elif not block.pinned:
+                    self._pin_changed(block, pinned=False)
 
     def purge(self, namespace_id: str) -> int:
         """Unpublish every cached block of ``namespace_id`` and their descendants; returns how many.
@@ -250,12 +294,27 @@ class BlockManager:
         return len(victims)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _can_evict(self, block_id: int, requester: str) -> bool:
+    def _pin_changed(self, block: Block, *, pinned: bool) -> None:
+        """A cached block became pinned (or unpinned): update the counts up its chain."""
+        self._evictable_by_ns[block.namespace_id] += -1 if pinned else 1
+        self._pin_parent(block, pinned=pinned)
+
+    def _pin_parent(self, block: Block, *, pinned: bool) -> None:
+        while block.parent_id is not None:
+            parent = self.blocks[block.parent_id]
+            was_pinned = parent.pinned
+            parent.num_pinned_children += 1 if pinned else -1
+            if parent.pinned == was_pinned:
+                return
+            self._evictable_by_ns[parent.namespace_id] += -1 if pinned else 1
+            block = parent
+
+    def _can_evict(self, block_id: int, requester: str, *, ignore_reservations: bool = False) -> bool:
         block = self.blocks[block_id]
         if block.ref_count or block.num_children or block.block_hash is None:
             return False
         owner = block.namespace_id
-        reserved = self.reserved_blocks.get(owner, 0)
+        reserved = 0 if ignore_reservations else self.reserved_blocks.get(owner, 0)
         return not (reserved and owner != requester and self._cached_by_ns[owner] <= reserved)
 
     def reclaim(self, num_blocks: int, namespace_id: str = "") -> int:
@@ -265,8 +324,12 @@ class BlockManager:
                 return done
         return num_blocks
 
-    def _evict_one(self, requester: str, *, required: bool = True) -> bool:
-        chosen = self.policy.evict(lambda pid: self._can_evict(self._slot_of[pid], requester))
+    def _evict_one(self, requester: str, *, required: bool = True, ignore_reservations: bool = False) -> bool:
+        chosen = self.policy.evict(
+            lambda pid: self._can_evict(
+                self._slot_of[pid], requester, ignore_reservations=ignore_reservations
+            )
+        )
         victim = None if chosen is None else self._slot_of[chosen]
         if victim is None:
             if required:
@@ -288,10 +351,13 @@ class BlockManager:
         del self._slot_of[content_id(block.block_hash)]
         if block.parent_id is not None and block.parent_id not in leaving:
             self.blocks[block.parent_id].num_children -= 1
-        block.num_children = 0  # evicted blocks are leaves; a purge takes the children with it
+            if block.pinned:  # a referenced block leaves the chain: it no longer holds its parent
+                self._pin_parent(block, pinned=False)
         self._cached_by_ns[block.namespace_id] -= 1
-        if block.ref_count == 0:
+        if not block.pinned:
             self._evictable_by_ns[block.namespace_id] -= 1
+        # reset() also clears the child counts: evicted blocks are leaves, a purge takes the children too
+        if block.ref_count == 0:
             block.reset()
             self.free_block_ids.append(block_id)
         else:

@@ -26,6 +26,10 @@ class WorkerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per engine step: decode tokens + prefill chunk
+    max_waiting_requests: int = 128  # requests waiting for blocks; beyond: 503 + Retry-After (0: no bound)
+    max_waiting_tokens: int = 256 << 10  # their prompt tokens; beyond: 503 + Retry-After (0: no bound)
+    max_wait_s: float = 2.0  # a request waiting this long is no longer overtaken by later ones
+    watchdog_timeout_s: float = 10.0  # /healthz is 503 after this long without progress with work pending
     eviction_policy: str = "default"
     data_dir: Path | None = None  # holds the disk tier (data_dir/kv) unless l3_dir is given
     l2_bytes: int = 512 << 20  # host DRAM tier budget (0: off)
@@ -36,7 +40,8 @@ class WorkerConfig:
     remote_url: str | None = None  # redis://… shared by workers (off when unset)
     remote_bytes: int = 1 << 30
     remote_ttl_s: int = 3600
-    remote_timeout_ms: int = 50
+    remote_timeout_ms: int = 250  # per Redis call; 50 ms tripped on a busy host (issue 9)
+    remote_pause_s: float = 5.0  # the remote tier is skipped this long after an error or timeout
     remote_codec: str = "none"
     flush_on_stop: bool = True  # write cached blocks to the disk tier on a clean shutdown
     shared_secret: str | None = field(default=None, repr=False)  # bearer the gateways send (worker.auth)
@@ -105,7 +110,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser = argparse.ArgumentParser(prog="prefixgate worker", description="prefixgate inference worker")
     for f in fields(WorkerConfig):
         default = getattr(defaults, f.name)
-        kind = {"int": int, "int | None": int, "Path | None": Path, "bool": _boolean}.get(str(f.type), str)
+        kind = {"int": int, "int | None": int, "float": float, "Path | None": Path, "bool": _boolean}.get(
+            str(f.type), str
+        )
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=_env_default(f.name, default))
     args = parser.parse_args(argv)
     values = {}
@@ -113,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         value = getattr(args, f.name)
         if isinstance(value, str) and str(f.type) in ("int", "int | None"):  # from the environment
             value = int(value)
+        elif isinstance(value, str) and str(f.type) == "float":
+            value = float(value)
         elif isinstance(value, str) and str(f.type) == "Path | None":
             value = Path(value)
         elif isinstance(value, str) and str(f.type) == "bool":

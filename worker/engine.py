@@ -14,61 +14,42 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
 import torch
 
 from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
-from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.admission import WaitingQueue
+from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
+from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
 from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
+from worker.protocol import SEED_MAX, SEED_MIN
+from worker.request_io import (
+    CommandFailed,
+    Handle,
+    RequestError,
+    RequestOutput,
+    deliver,
+    request_id_of,
+    set_exception,
+    step_seqs,
+)
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.structured import GrammarCompiler, GrammarError
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
+from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("prefixgate.worker")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (maps to HTTP 400)."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    text: str = ""  # new text since the previous output
-    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
-    finished: bool = False
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None  # set on the final output
-    error: str | None = None  # set when the engine failed the request
-    logprobs: list[dict[str, Any]] | None = None  # TokenLogprob.to_json of the new tokens, when asked
-
-
-@dataclass(slots=True)
-class _Handle:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput]
-    outbox: list[tuple[_Handle, RequestOutput]]  # the engine's per-step batch, shared by every handle
-
-    def push(self, output: RequestOutput) -> None:
-        """Queue an output; ``Engine._flush_outputs`` hands a step's outputs over in one wake-up."""
-        self.outbox.append((self, output))
-
-
-def _deliver(batch: list[tuple[_Handle, RequestOutput]]) -> None:
-    for handle, output in batch:
-        handle.outputs.put_nowait(output)
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
@@ -122,6 +103,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             store=self.store,
+            max_wait_s=config.max_wait_s,
             clock=time.monotonic,
         )
         self.max_model_len = max_model_len
@@ -135,11 +117,17 @@ class Engine:
             "preemptions_total": 0,
             "engine_errors_total": 0,
         }
-        self._handles: dict[str, _Handle] = {}
-        self._outbox: list[tuple[_Handle, RequestOutput]] = []  # filled by the engine thread only
+        self._handles: dict[str, Handle] = {}
+        self._outbox: list[tuple[Handle, RequestOutput]] = []  # filled by the engine thread only
         self._sequences: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.waiting_queue = WaitingQueue(
+            max_requests=config.max_waiting_requests, max_tokens=config.max_waiting_tokens
+        )
+        self.watchdog = StepWatchdog(stall_timeout_s=config.watchdog_timeout_s)
+        self.queue_time = LatencyHistogram()
+        self.ttft = LatencyHistogram()
 
     def _make_store(self, bytes_per_block: int) -> TieredStore | None:
         cfg = self.config
@@ -155,6 +143,7 @@ class Engine:
             remote_bytes=cfg.remote_bytes,
             remote_ttl_s=float(cfg.remote_ttl_s),
             remote_timeout_s=cfg.remote_timeout_ms / 1000,
+            remote_pause_s=cfg.remote_pause_s,
             remote_codec=cfg.remote_codec,
             eviction_policy=cfg.eviction_policy,
             at_rest_key=cfg.at_rest_key,
@@ -196,6 +185,20 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (thread gone, or stuck with work pending), or None."""
+        if not self.alive:
+            return "engine thread is not running"
+        return self.watchdog.problem()
+
+    def check_capacity(self, num_prompt_tokens: int) -> None:
+        """Raise ``admission.Overloaded`` if a request this long would not be queued now."""
+        self.waiting_queue.check(num_prompt_tokens, drain_tokens_per_s=self.prefill_tokens_per_s)
+
+    def _post(self, command: str, arg: Any) -> None:
+        self.watchdog.work_arrived()
+        self._inbox.put((command, arg))
+
     # ---- public API (event-loop side) --------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served as given."""
@@ -208,6 +211,10 @@ class Engine:
             raise RequestError("max_tokens must be at least 1")
         if any(not (0 <= token < vocab) for token, _ in sampling.logit_bias):
             raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
+        if not (0.0 <= sampling.temperature <= 100.0 and 0.0 < sampling.top_p <= 1.0 and sampling.top_k >= 0):
+            raise RequestError("temperature must be in [0, 100], top_p in (0, 1], top_k at least 0")
+        if sampling.seed is not None and not SEED_MIN <= sampling.seed <= SEED_MAX:
+            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -226,13 +233,19 @@ class Engine:
         matcher: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
-        ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given)."""
+        ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given).
+
+        Raises:
+            RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
+        """
         self.validate(prompt_token_ids, sampling)
         if matcher is None and sampling.grammar is not None:
             matcher = self.new_matcher(sampling)
         if request_id in self._handles:
             raise RequestError(f"request id {request_id!r} is already running")
-        handle = _Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
+        num_tokens = len(prompt_token_ids)
+        self.waiting_queue.enter(num_tokens, drain_tokens_per_s=self.prefill_tokens_per_s)
+        handle = Handle(loop=asyncio.get_running_loop(), outputs=asyncio.Queue(), outbox=self._outbox)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -242,9 +255,10 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
             matcher=matcher,
+            in_waiting_queue=True,
         )
         self._handles[request_id] = handle
-        self._inbox.put(("add", seq))
+        self._post("add", seq)
         finished = False
         try:
             while not finished:
@@ -266,7 +280,7 @@ class Engine:
             raise RequestError(str(exc)) from None
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._post("abort", request_id)
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._handles
@@ -278,9 +292,12 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, int]] = loop.create_future()
-        self._inbox.put(("purge", (namespace_id, loop, done)))
-        erased = await done
+        self._post("purge", (namespace_id, loop, done))
         failed: dict[str, str] = {}
+        try:
+            erased = await done
+        except CommandFailed as exc:
+            erased, failed["local"] = {}, str(exc)
         if self.store is not None:
             try:  # Redis can be slow: not on the engine thread
                 remote = await asyncio.to_thread(self.store.purge_remote, namespace_id)
@@ -295,12 +312,20 @@ class Engine:
         bm = self.block_manager
         return {
             **self.counters,
+            "engine_errors_total": self.counters["engine_errors_total"] + self.scheduler.num_admission_errors,
             "num_blocks_total": bm.num_blocks,
             "num_blocks_free": bm.num_free_blocks,
             "num_blocks_cached": bm.num_cached_blocks,
             "num_blocks_in_use": bm.num_blocks - bm.num_free_blocks - bm.num_evictable_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_queued": self.waiting_queue.num_requests,
+            "num_queued_tokens": self.waiting_queue.num_tokens,
+            "requests_rejected_overloaded": self.waiting_queue.num_rejected,
+            "histograms": {
+                "queue_time_seconds": self.queue_time.snapshot(),
+                "ttft_seconds": self.ttft.snapshot(),
+            },
             "evictions_total": bm.num_evictions,
             "eviction_policy": bm.policy.name,
             "reserved_blocks": dict(bm.reserved_blocks),
@@ -313,6 +338,8 @@ class Engine:
         idle = False
         while not self._stopping:
             block = not self.scheduler.has_work
+            if block:
+                self.watchdog.idle()
             # Work that only waits on a copy or a prefetch: sleep on the inbox briefly instead of spinning.
             timeout = 0.0005 if idle and not block else None
             try:
@@ -321,7 +348,9 @@ class Engine:
                     block, timeout = False, None
                     if command == "stop":
                         return
-                    self._handle_command(command, arg)
+                    self.watchdog.progress()  # the clock runs from here if the command never returns
+                    self._run_command(command, arg)
+                    self.watchdog.progress()
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
@@ -331,23 +360,44 @@ class Engine:
                     log.exception("engine step failed")
                     self.counters["engine_errors_total"] += 1
                     self._fail_all(f"engine error: {type(exc).__name__}")
+                self.watchdog.progress()
             self._flush_outputs()
 
     def _flush_outputs(self) -> None:
         """Hand this iteration's outputs to the event loop in one wake-up (not one per token)."""
         if not self._outbox:
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, RequestOutput]]] = {}
         for handle, output in self._outbox:
             by_loop.setdefault(handle.loop, []).append((handle, output))
         self._outbox.clear()
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            loop.call_soon_threadsafe(deliver, batch)
+
+    def _run_command(self, command: str, arg: Any) -> None:
+        """Run one command; an exception fails only the request (or purge) it concerns."""
+        try:
+            self._handle_command(command, arg)
+        except Exception as exc:
+            self.counters["engine_errors_total"] += 1
+            message = f"engine error in {command}: {type(exc).__name__}"
+            if command == "add":
+                log.exception("engine command add failed for request %s", arg.request_id)
+                self._fail(arg, message)
+            elif command == "purge":
+                log.exception("engine command purge failed for namespace %s", arg[0])
+                arg[1].call_soon_threadsafe(set_exception, arg[2], CommandFailed(message))
+            else:
+                log.exception("engine command %s failed (request %s)", command, request_id_of(arg))
+                seq = self._sequences.get(arg) if isinstance(arg, str) else None
+                if seq is not None:
+                    self._fail(seq, message)
 
     def _handle_command(self, command: str, arg: Any) -> None:
         if command == "add":
             seq: Sequence = arg
             if seq.request_id not in self._handles:  # cancelled before it arrived
+                self._leave_queue(seq)
                 return
             for segment in seq.segments:
                 if segment.reserved_blocks:
@@ -378,6 +428,7 @@ class Engine:
         elif command == "abort":
             seq = self._sequences.pop(arg, None)
             if seq is not None and not seq.is_finished:
+                self._leave_queue(seq)
                 self.scheduler.finish(seq, "abort")
                 self.runner.forget(seq)
                 self.counters["requests_aborted"] += 1
@@ -398,33 +449,52 @@ class Engine:
 
     def _step(self) -> bool:
         """Run one engine step; returns False when nothing could run (waiting on I/O)."""
-        try:
-            step = self.scheduler.schedule()
-        except NoFreeBlocksError as exc:
-            seq = self.scheduler.waiting[0]
-            self._finish(seq, "error", error=str(exc))
-            return True
+        step = self.scheduler.schedule()
+        for seq, why in step.rejected:
+            self._finish(seq, "error", error=why)
+        for seq in step.admitted:
+            if seq.in_waiting_queue:  # first admission (not after a preemption)
+                self._leave_queue(seq)
+                self.queue_time.observe(self.scheduler.now_s() - seq.timings.arrival_s)
         if step.is_empty:
             return False
         started = time.perf_counter()
-        result = self.runner.execute(step)
+        try:
+            result = self.runner.execute(step)
+        except Exception as exc:  # fails the requests of this step only; the waiting ones are untouched
+            log.exception("model step failed for requests %s", [s.request_id for s in step_seqs(step)])
+            self.counters["engine_errors_total"] += 1
+            for seq in step_seqs(step):
+                self._fail(seq, f"engine error: {type(exc).__name__}")
+            return True
         elapsed = time.perf_counter() - started
         if result.num_prefill_tokens >= 64:
             rate = result.num_prefill_tokens / elapsed
             self.prefill_tokens_per_s = (
                 rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
             )
-        for seq in step.decodes:
-            self.scheduler.advance(seq, 1)
-        for chunk in step.prefills:
-            self.scheduler.advance(chunk.seq, chunk.length)
+        advances = [(seq, 1) for seq in step.decodes] + [(c.seq, c.length) for c in step.prefills]
+        for seq, num_tokens in advances:
+            self._isolated(seq, self.scheduler.advance, seq, num_tokens)
         now = time.monotonic()
         for seq, token in result.sampled.items():
+            if seq.is_finished:  # failed above
+                continue
             if seq.timings.first_token_s is None:
                 seq.timings.first_token_s = now
+                self.ttft.observe(now - seq.timings.arrival_s)
                 self.counters["cached_tokens_total"] += seq.num_cached_tokens
-            self._append_token(seq, token, result.logprobs.get(seq))
+            self._isolated(seq, self._append_token, seq, token, result.logprobs.get(seq))
         return True
+
+    def _isolated(self, seq: Sequence, fn: Any, *args: Any) -> None:
+        """Run per-request bookkeeping; an exception fails that request alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("engine failed request %s", seq.request_id)
+            self.counters["engine_errors_total"] += 1
+            self._fail(seq, f"engine error: {type(exc).__name__}")
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         self.counters["generated_tokens_total"] += 1
@@ -472,9 +542,33 @@ class Engine:
                 )
             )
 
+    def _leave_queue(self, seq: Sequence) -> None:
+        if seq.in_waiting_queue:
+            seq.in_waiting_queue = False
+            self.waiting_queue.leave(len(seq.prompt_token_ids))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Fail one request whatever state it is in; the cleanup itself must not raise."""
+        try:
+            self._finish(seq, "error", error=message)
+        except Exception:
+            log.exception("cleaning up failed request %s", seq.request_id)
+            for queue_ in (self.scheduler.running, self.scheduler.waiting):
+                if seq in queue_:
+                    queue_.remove(seq)
+            seq.status = Status.FINISHED
+            handle = self._handles.get(seq.request_id)
+            if handle is not None:
+                output = RequestOutput(request_id=seq.request_id, finished=True, finish_reason="error")
+                output.error = message
+                handle.push(output)
+
     def _finish(self, seq: Sequence, reason: str, *, error: str) -> None:
-        self.scheduler.finish(seq, reason)
+        self._leave_queue(seq)
         self._sequences.pop(seq.request_id, None)
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, reason)
         self.runner.forget(seq)
         handle = self._handles.get(seq.request_id)
         if handle is not None:
@@ -484,7 +578,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(seq, "error", error=message)
+            self._fail(seq, message)
 
     def _warmup(self) -> None:
         """One uncached prefill before serving: warms kernels and measures the prefill speed."""

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "prefixgate_worker_"
@@ -17,7 +17,8 @@ COUNTERS = {
     "cached_tokens_total": "Prompt tokens served from a cache tier",
     "generated_tokens_total": "Tokens generated",
     "preemptions_total": "Sequences preempted and recomputed",
-    "engine_errors_total": "Engine steps that failed",
+    "engine_errors_total": "Engine commands, steps or per-request updates that failed",
+    "requests_rejected_overloaded": "Requests answered 503 because the waiting queue was full",
     "evictions_total": "Blocks evicted from the device pool",
 }
 GAUGES = {
@@ -27,9 +28,15 @@ GAUGES = {
     "num_blocks_in_use": "Blocks referenced by running requests",
     "num_running": "Running requests",
     "num_waiting": "Waiting requests",
+    "num_queued": "Requests in the bounded waiting queue (not admitted yet)",
+    "num_queued_tokens": "Prompt tokens of the requests in the waiting queue",
     "prefill_tokens_per_s": "Measured prefill speed",
 }
 
+HISTOGRAMS = {
+    "queue_time_seconds": "Time from arrival to first admission (blocks granted)",
+    "ttft_seconds": "Time from arrival to the first generated token",
+}
 
 TIER_EVENTS = {
     "l3": (
@@ -42,6 +49,7 @@ TIER_EVENTS = {
         "corrupt_deleted",
         "foreign_deleted",
         "files_evicted",
+        "dir_recreated",
     ),
     "remote": ("blocks_written", "blocks_evicted", "blocks_read", "errors", "corrupt_deleted"),
 }
@@ -51,12 +59,17 @@ class EngineCollector(Collector):
     def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         stats = self._stats()
         for name, doc in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, value=stats.get(name, 0))
         for name, doc in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=stats.get(name, 0))
+        for name, doc in HISTOGRAMS.items():
+            snap = (stats.get("histograms") or {}).get(name)
+            if snap is not None:
+                buckets = [(b if isinstance(b, str) else repr(b), n) for b, n in snap["buckets"]]
+                yield HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=snap["sum_s"])
         tiers = stats.get("tiers") or {}
         hits = CounterMetricFamily(
             PREFIX + "tier_hit_blocks", "Cached blocks served, by tier", labels=["tier"]

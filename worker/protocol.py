@@ -10,6 +10,7 @@ from policies.hashing import NamespaceKey, NamespaceSegment, validate_segments
 from worker.sequence import SamplingParams
 
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 class BadRequest(ValueError):
@@ -87,6 +88,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
     number = (int, float)
     temperature = float(_optional(raw, "temperature", number, 1.0))
     top_p = float(_optional(raw, "top_p", number, 1.0))
+    # NaN and infinities (Python's json accepts them) fail these range checks too.
     if not 0.0 <= temperature <= 100.0:
         raise BadRequest("temperature must be in [0, 100]", param="temperature")
     if not 0.0 < top_p <= 1.0:
@@ -99,14 +101,22 @@ def parse_sampling(raw: Any) -> SamplingParams:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers", param="stop_token_ids")
     seed = _optional(raw, "seed", int, None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise BadRequest(f"seed must be in [{SEED_MIN}, {SEED_MAX}]", param="seed")
+    top_k = _optional(raw, "top_k", int, 0)
+    if top_k < 0:
+        raise BadRequest("top_k must be 0 (off) or positive", param="top_k")
+    max_tokens = _optional(raw, "max_tokens", int, 16)
+    if max_tokens < 1:
+        raise BadRequest("max_tokens must be at least 1", param="max_tokens")
     logprobs = _optional(raw, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
     return SamplingParams(
-        max_tokens=_optional(raw, "max_tokens", int, 16),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=max(0, _optional(raw, "top_k", int, 0)),
+        top_k=top_k,
         seed=seed,
         stop=tuple(stop),
         stop_token_ids=tuple(stop_ids),

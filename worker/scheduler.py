@@ -5,10 +5,16 @@ rest of a token budget on prefill chunks: first for sequences already prefilling
 ones. A new request therefore joins while others decode, and a long prompt never stalls decoding for
 more than one chunk. When a decode step needs a block and none can be freed, the most recently admitted
 sequence is preempted (its blocks released; it is recomputed later, mostly from the prefix cache).
+
+Admission never deadlocks: a waiting sequence that does not fit now is skipped (no head-of-line
+blocking), but once it has waited ``max_wait_s`` nothing behind it is admitted, so the running ones drain
+and it gets its blocks (aging); when nothing runs, other tenants' reservations yield to it. A sequence
+that can never fit the pool is rejected alone.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -18,6 +24,8 @@ from policies.hashing import block_hashes, chain_hash, root_hash, segment_at, to
 from worker.block_manager import BlockManager, NoFreeBlocksError
 from worker.sequence import Sequence, Status
 from worker.tiers.store import TieredStore
+
+log = logging.getLogger("prefixgate.worker")
 
 
 @dataclass(slots=True)
@@ -35,6 +43,8 @@ class PrefillChunk:
 class SchedulerOutput:
     decodes: list[Sequence] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    rejected: list[tuple[Sequence, str]] = field(default_factory=list)  # finished by the engine with an error
+    admitted: list[Sequence] = field(default_factory=list)  # got their blocks in this step
 
     @property
     def is_empty(self) -> bool:
@@ -54,17 +64,27 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         store: TieredStore | None = None,
+        max_wait_s: float = 2.0,
         clock: Callable[[], float],
     ) -> None:
+        """
+        Args:
+            max_wait_s: after waiting this long a sequence stops being overtaken by later ones.
+        """
         self.block_manager = block_manager
         self.store = store
         self.block_size = block_manager.block_size
         self.model_fingerprint = model_fingerprint
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_wait_s = max_wait_s
+        self.num_admission_errors = 0  # requests failed because admitting them raised
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._clock = clock
+
+    def now_s(self) -> float:
+        return self._clock()
 
     @property
     def has_work(self) -> bool:
@@ -105,31 +125,58 @@ class Scheduler:
                 break
             if seq.status is Status.PREFILLING:
                 budget -= self._plan_chunk(seq, budget, out)
+        now = self._clock()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.prefetching:  # its blocks are still on their way from disk or Redis
                 continue
-            if not self._admit(seq):
-                break
+            try:
+                admitted = self._admit(seq)
+            except Exception as exc:  # one request's bad state must not stop admission for the others
+                log.exception("admitting request %s failed", seq.request_id)
+                self.num_admission_errors += 1
+                self.waiting.remove(seq)
+                out.rejected.append((seq, f"engine error: {type(exc).__name__}"))
+                continue
+            if admitted is None:
+                self.waiting.remove(seq)
+                out.rejected.append((seq, self._too_large(seq)))
+                continue
+            if not admitted:
+                if now - seq.timings.arrival_s >= self.max_wait_s:
+                    break  # aged: the ones behind it wait until it fits
+                continue  # does not fit now: try the next ones
             self.waiting.remove(seq)
             self.running.append(seq)
+            out.admitted.append(seq)
             if seq.status is Status.PREFILLING:
                 budget -= self._plan_chunk(seq, budget, out)
         return out
+
+    def _too_large(self, seq: Sequence) -> str:
+        num_blocks = self.block_manager.num_blocks
+        return f"request needs {self._num_blocks_needed(seq)} blocks, the pool has {num_blocks}"
+
+    def _num_blocks_needed(self, seq: Sequence) -> int:
+        num_prefill = seq.num_tokens - 1 if seq.output_token_ids else seq.num_tokens
+        return math.ceil(num_prefill / self.block_size) + 1  # +1: headroom for the first decode block
 
     def _plan_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         length = min(budget, seq.num_prefill_tokens - seq.num_computed_tokens)
         out.prefills.append(PrefillChunk(seq=seq, start=seq.num_computed_tokens, length=length))
         return length
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence) -> bool | None:
         """Match the cached prefix, take references on it and allocate blocks for the rest of the prompt.
 
         The chain is matched in L1 first, then continued in L2; the L2 part is copied into new L1 blocks
-        and the sequence waits in LOADING until the copy is done.
+        and the sequence waits in LOADING until the copy is done. Returns False when it does not fit now
+        (nothing taken), None when it can never fit the pool.
         """
         bm, bs = self.block_manager, self.block_size
+        if self._num_blocks_needed(seq) > bm.num_blocks:
+            return None
         # After a preemption the generated tokens (but the last, decoded next) are prefilled again.
         num_prefill = seq.num_tokens - 1 if seq.output_token_ids else seq.num_tokens
         tokens = seq.tokens(0, num_prefill)
@@ -151,14 +198,14 @@ class Scheduler:
         if slots:
             self.store.l2.pin(slots)  # type: ignore[union-attr]
         num_new = math.ceil(num_prefill / bs) - len(matched)
-        if not bm.can_allocate(num_new + 1, seq.namespace_id):  # +1: headroom for the first decode block
+        # Reservations protect a tenant's cache, never the pool itself: with nothing running they yield.
+        override = not self.running
+        if not bm.can_allocate(num_new + 1, seq.namespace_id, ignore_reservations=override):
             bm.release(matched)
             if slots:
                 self.store.l2.unpin(slots)  # type: ignore[union-attr]
-            if not self.running and num_new + 1 > bm.num_blocks:
-                raise NoFreeBlocksError(f"request needs {num_new + 1} blocks, the pool has {bm.num_blocks}")
             return False
-        seq.block_table = matched + [bm.allocate(seq.namespace_id) for _ in range(num_new)]
+        seq.block_table = matched + bm.allocate_many(num_new, seq.namespace_id, ignore_reservations=override)
         seq.num_prefill_tokens = num_prefill
         num_loaded = len(slots) + len(fetched)
         seq.num_computed_tokens = (len(matched) + num_loaded) * bs
@@ -224,7 +271,7 @@ class Scheduler:
                 return True
             except NoFreeBlocksError:
                 # The most recently admitted sequence goes back to waiting (never one mid-copy).
-                victim = next(s for s in reversed(self.running) if s.status is not Status.LOADING)
+                victim = next((s for s in reversed(self.running) if s.status is not Status.LOADING), seq)
                 self._preempt(victim)
                 if victim is seq:
                     return False

@@ -72,6 +72,7 @@ class Sequence:
     loading_slots: list[int] = field(default_factory=list)  # L2 slots pinned while ``transfers`` run
     matcher: Any = None  # llguidance.LLMatcher of ``sampling.grammar`` (engine thread only)
     grammar_complete: bool = False  # the grammar allows nothing more: the request stops
+    in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
 
     @property
     def namespace_id(self) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from worker.admission import Overloaded
 from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
@@ -47,6 +48,12 @@ async def errors_middleware(
         return web.json_response(
             error_body(str(exc), kind="invalid_request_error", code="invalid_request"), status=400
         )
+    except Overloaded as exc:  # shed load at once; the gateway retries elsewhere or maps it to the tenant
+        return web.json_response(
+            error_body(str(exc), kind="server_error", code="worker_overloaded"),
+            status=503,
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -70,8 +77,10 @@ async def _json(request: web.Request) -> Any:
 
 async def healthz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    if not engine.alive:
-        return web.json_response({"status": "down"}, status=503)
+    problem = engine.health_problem()
+    if problem is not None:
+        status = "down" if not engine.alive else "stuck"
+        return web.json_response({"status": status, "reason": problem}, status=503)
     return web.json_response(
         {"status": "ok", "model_id": engine.loaded.model_id, "worker_id": request.app[WORKER_ID]}
     )
@@ -126,6 +135,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     req = parse_generate(await _json(request), engine.config.block_size)
     engine.validate(req.prompt_token_ids, req.sampling)
+    engine.check_capacity(len(req.prompt_token_ids))  # before a stream's 200 goes out
     # A bad grammar is a 400 before any streaming starts; compiling drops the GIL, off the event loop.
     matcher = await asyncio.to_thread(engine.new_matcher, req.sampling) if req.sampling.grammar else None
     outputs = engine.generate(

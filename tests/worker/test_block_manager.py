@@ -1,5 +1,8 @@
 """Exact block ids, reference counts, free-list order and eviction order of the block manager."""
 
+import copy
+import random
+
 import pytest
 
 from policies.hashing import BlockHash
@@ -156,3 +159,77 @@ def test_reservations_are_capped():
     assert bm.set_reservation("a", 4) == 4
     assert bm.set_reservation("b", 4) == 1
     assert bm.set_reservation("a", 0) == 0 and "a" not in bm.reserved_blocks
+
+
+def really_allocatable(bm: BlockManager, ns: str, **kw) -> int:
+    """How many blocks ``allocate`` really hands out, on a copy (the manager itself is untouched)."""
+    trial = copy.deepcopy(bm)
+    count = 0
+    while True:
+        try:
+            trial.allocate(ns, **kw)
+        except NoFreeBlocksError:
+            return count
+        count += 1
+
+
+def test_a_finished_prefix_held_by_a_live_child_is_not_counted_as_available():
+    # The issue's repro in miniature: A and B prefill the same prefix in one step; A publishes it, B's
+    # copy stays private and B's next block is published as a child of A's last prefix block. When A
+    # finishes, A's prefix is unreferenced but can never be evicted while B runs.
+    bm = make(num_blocks=8)
+    a = cache_chain(bm, ["p0", "p1", "p2"])
+    b = [bm.allocate() for _ in range(4)]
+    for k in range(3):
+        assert not bm.cache(
+            b[k], h(f"p{k}"), toks(k), h(f"p{k - 1}") if k else None, namespace_id="a", position=k
+        )
+    assert bm.cache(b[3], h("b3"), toks(3), h("p2"), namespace_id="a", position=3)
+    bm.release(a)
+    assert bm.num_free_blocks == 1
+    assert bm.num_available_blocks() == really_allocatable(bm, "") == 1
+    assert not bm.can_allocate(2)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate_many(2)
+    assert bm.num_free_blocks == 1  # all or nothing: the failed call took no block
+    bm.release(b)
+    assert bm.num_available_blocks() == really_allocatable(bm, "") == 8
+
+
+def test_available_blocks_equal_what_allocate_really_gets_after_random_operations():
+    rng = random.Random(9)
+    bm = make(num_blocks=24)
+    bm.set_reservation("d", 6)
+    live: list[list[int]] = []  # block tables of "running sequences"
+    names = ["a", "b", "d", ""]
+    for step in range(600):
+        op = rng.random()
+        ns = rng.choice(names)
+        if op < 0.35 and bm.can_allocate(3, ns):
+            # A sequence: reuse a cached prefix of a random chain, allocate and publish the rest.
+            chain = rng.randrange(5)
+            length = rng.randrange(1, 5)
+            hashes = [h(f"{ns}{chain}.{k}") for k in range(length)]
+            matched = bm.match_prefix(hashes, [toks(k) for k in range(length)])
+            bm.acquire(matched)
+            fresh = bm.allocate_many(min(length - len(matched), 3), ns) if length > len(matched) else []
+            table = matched + fresh
+            for k in range(len(matched), len(table)):
+                bm.cache(
+                    table[k], hashes[k], toks(k), hashes[k - 1] if k else None, namespace_id=ns, position=k
+                )
+            live.append(table)
+        elif op < 0.75 and live:
+            bm.release(live.pop(rng.randrange(len(live))))
+        elif op < 0.8:
+            bm.purge(ns)
+        elif op < 0.85:
+            bm.set_reservation("d", rng.randrange(10))
+        for who in names:
+            assert bm.num_available_blocks(who) == really_allocatable(bm, who), (step, who)
+        assert bm.num_available_blocks("a", ignore_reservations=True) == really_allocatable(
+            bm, "a", ignore_reservations=True
+        )
+    for table in live:
+        bm.release(table)
+    assert bm.num_available_blocks(ignore_reservations=True) == bm.num_blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,5 +36,21 @@ def sample(
             outside = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(outside, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
+        tokens[row] = _draw(probs, logits[row], generator)
     return tokens
+
+
+def _draw(probs: torch.Tensor, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from ``probs``, or the argmax of ``logits`` when the distribution is degenerate.
+
+    A tiny temperature or top_p (1e-40, 1e-300) or non-finite logits give NaN, infinite or all-zero
+    probabilities, on which ``torch.multinomial`` raises: the request would fail, and with it the whole
+    step. Greedy is the limit of both parameters, so it is the honest answer.
+    """
+    total = float(probs.sum())
+    if math.isfinite(total) and total > 0.0 and bool(torch.isfinite(probs).all()):
+        try:
+            return int(torch.multinomial(probs, 1, generator=generator).item())
+        except RuntimeError:
+            pass
+    return int(torch.nan_to_num(logits, nan=float("-inf")).argmax().item())

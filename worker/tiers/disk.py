@@ -286,7 +286,20 @@ class DiskTier:
                 break
         return written
 
+    def _ensure_dir(self) -> None:
+        """Recreate the tier's directory if it was deleted under us; the files it held are forgotten."""
+        if self.dir.is_dir():
+            return
+        with self._lock:
+            lost = list(self.files)
+            for file_id in lost:
+                self._drop(file_id, unlink=False)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.counters["dir_recreated_total"] += 1
+        log.warning("disk tier directory %s was gone: recreated it, %d files forgotten", self.dir, len(lost))
+
     def _write_run(self, run: list[DemotedBlock]) -> int:
+        self._ensure_dir()
         namespace_id = run[0].namespace_id
         data = torch.stack([b.data for b in run])
         entry = encode_entry(
@@ -306,7 +319,7 @@ class DiskTier:
             )
         self._make_room(len(entry), namespace_id)
         directory = self.dir / _safe_dirname(namespace_id)
-        directory.mkdir(exist_ok=True, mode=DIR_MODE)
+        directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         path = directory / f"{run[0].record.block_hash.hex()}.kv"
         tmp = path.with_suffix(".tmp")
         try:

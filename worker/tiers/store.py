@@ -48,7 +48,8 @@ class TierConfig:
     remote_url: str | None = None
     remote_bytes: int = 1 << 30
     remote_ttl_s: float = 3600.0
-    remote_timeout_s: float = 0.05
+    remote_timeout_s: float = 0.25
+    remote_pause_s: float = 5.0  # skip the remote tier this long after an error or a timeout
     remote_codec: str = "none"
     l3_min_free_bytes: int = 256 << 20
     eviction_policy: str = "default"
@@ -147,6 +148,7 @@ class TieredStore:
                 ttl_s=config.remote_ttl_s,
                 timeout_s=config.remote_timeout_s,
                 cipher=cipher,
+                pause_after_error_s=config.remote_pause_s,
             )
         self.bandwidth = {
             "l2": Bandwidth(self._calibrate_copy()),
