@@ -33,7 +33,9 @@ async def stats(s: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def test_issue_repro_shared_prefix_then_a_large_request_completes_without_leaking(tmp_path):
-    args = ["--model", "random-tiny", "--num-blocks", "128", "--max-num-batched-tokens", "4096"]
+    # The issue's repro, with the context window the 128-block pool can hold (the worker refuses more).
+    args = ["--model", "random-tiny", "--num-blocks", "128", "--max-model-len", "2032"]
+    args += ["--max-num-batched-tokens", "4096"]
     with worker_process(*args, "--l2-bytes", "0", log_path=tmp_path / "worker.log") as url:
         prefix = [(i * 31) % 251 for i in range(40 * 16)]
         timeout = aiohttp.ClientTimeout(total=60)
@@ -62,7 +64,7 @@ async def test_issue_repro_shared_prefix_then_a_large_request_completes_without_
 @pytest.fixture(scope="module")
 def small_worker(tmp_path_factory):
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    args = ["--model", "random-tiny", "--num-blocks", "256", "--max-num-seqs", "2"]
+    args = ["--model", "random-tiny", "--num-blocks", "256", "--max-model-len", "2048", "--max-num-seqs", "2"]
     with worker_process(*args, "--max-waiting-requests", "2", "--l2-bytes", "0", log_path=log) as url:
         yield url
 

@@ -54,7 +54,9 @@ def test_block_manager_publishes_stores_evictions_and_purges():
 @pytest.fixture(scope="module")
 def worker_url(tmp_path_factory):
     log = tmp_path_factory.mktemp("kv-events-worker") / "worker.log"
-    with worker_process("--model", "random-tiny", "--num-blocks", "64", log_path=log) as url:
+    with worker_process(
+        "--model", "random-tiny", "--num-blocks", "64", "--max-model-len", "1008", log_path=log
+    ) as url:
         yield url
 
 
