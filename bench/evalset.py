@@ -88,13 +88,17 @@ def _agent(seed: int, **changes: object) -> WorkloadSpec:
 def evaluation_set() -> list[EvalTrace]:
     """Every trace of the set, tuning traces first."""
     return [
-        EvalTrace(name="mooncake-synthetic", family="mooncake", held_out=False, spec=None, path=MOONCAKE_SYNTHETIC),
+        EvalTrace(
+            name="mooncake-synthetic", family="mooncake", held_out=False, spec=None, path=MOONCAKE_SYNTHETIC
+        ),
         EvalTrace(name="mixed-default", family="mixed", held_out=False, spec=WorkloadSpec(num_requests=3000)),
         EvalTrace(
             name="rag-docs",
             family="rag",
             held_out=False,
-            spec=WorkloadSpec(seed=3, num_requests=3000, document_share=0.9, mean_turns=1.5, documents_per_tenant=400),
+            spec=WorkloadSpec(
+                seed=3, num_requests=3000, document_share=0.9, mean_turns=1.5, documents_per_tenant=400
+            ),
         ),
         EvalTrace(name="chat-long", family="chat", held_out=False, spec=_chat(11)),
         EvalTrace(name="agent-tools", family="agent", held_out=False, spec=_agent(21)),
@@ -121,7 +125,9 @@ def evaluation_set() -> list[EvalTrace]:
             name="mixed-skewed",
             family="mixed",
             held_out=True,
-            spec=WorkloadSpec(seed=31, num_requests=3000, tenant_zipf=1.4, popularity_zipf=1.3, num_tenants=12),
+            spec=WorkloadSpec(
+                seed=31, num_requests=3000, tenant_zipf=1.4, popularity_zipf=1.3, num_tenants=12
+            ),
         ),
     ]
 

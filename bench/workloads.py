@@ -63,8 +63,8 @@ class Part:
     """One piece of a planned prompt: which content it holds and how long it is, not its text.
 
     ``key[0]`` is the kind: ``system`` (a tenant's own system prompt), ``public`` (a template every
-    tenant may use), ``document``, ``message`` (a user turn), ``answer`` (an assistant turn) or ``tool`` (a tool's
-    output in an agent loop).
+    tenant may use), ``document``, ``message`` (a user turn), ``answer`` (an assistant turn) or
+    ``tool`` (a tool's output in an agent loop).
     Equal keys mean equal content.
     """
 
@@ -194,8 +194,8 @@ def plan_workload(spec: WorkloadSpec) -> list[PlannedRequest]:
         )
         session.history += [message, answer]
         if spec.tool_result_blocks[1] > 0:  # a tool-agent loop: the call's result joins the context
-            result = Part(key=("tool", session.session_id, turn), num_blocks=_span(rng, spec.tool_result_blocks))
-            session.history.append(result)
+            num_result_blocks = _span(rng, spec.tool_result_blocks)
+            session.history.append(Part(key=("tool", session.session_id, turn), num_blocks=num_result_blocks))
         session.turns_left -= 1
         if session.turns_left > 0:
             heapq.heappush(pending, (now_s + rng.expovariate(1.0 / spec.mean_think_s), tie, session))

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from policies.eviction_arc import ARCPolicy
 from policies.eviction_adaptive import AdaptivePolicy
+from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_lru import LRUPolicy
 from policies.eviction_prefix import PrefixAwarePolicy

@@ -58,6 +58,7 @@ class _Shadow:
     last_usable: BlockId | None = None  # the previous access, if it was a usable hit
 
     def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+        """Replay one access of the real cache's stream."""
         if meta.position <= self.last_position:
             self.pinned.clear()
         self.last_position = meta.position
@@ -106,6 +107,7 @@ class AdaptivePolicy(EvictionPolicy):
     half_life_factor = 8.0  # accesses for a shadow hit to count half, × capacity
     switch_margin = 0.03  # relative score lead another expert needs to take over
     switch_z = 3.0  # ... and it must be significant: this many standard deviations of a Poisson count
+    initial_leader = 0  # the prefix-aware policy
     max_shadow_blocks = 8192  # shadows of larger caches sample ids (one in capacity / this)
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -115,11 +117,13 @@ class AdaptivePolicy(EvictionPolicy):
         shadow_capacity = max(1, capacity // self.sample_rate)
         self._followers = [expert(capacity) for expert in _EXPERTS]
         self._shadows = [
-            _Shadow(policy=expert(shadow_capacity), capacity_blocks=shadow_capacity, sampled=self.sample_rate > 1)
+            _Shadow(
+                policy=expert(shadow_capacity), capacity_blocks=shadow_capacity, sampled=self.sample_rate > 1
+            )
             for expert in _EXPERTS
         ]
         self._decay = 0.5 ** (1.0 / (self.half_life_factor * shadow_capacity))
-        self.leader = 0  # index into the experts; the prefix-aware policy leads until shown otherwise
+        self.leader = self.initial_leader  # index into the experts, until the shadows show otherwise
         self._meta: dict[BlockId, BlockMeta] = {}  # resident block -> its meta (shadows need parents)
 
     @property
@@ -147,12 +151,12 @@ class AdaptivePolicy(EvictionPolicy):
         self._observe(block_id, meta, now)
 
     def on_remove(self, block_id: BlockId) -> None:
-        self._meta.pop(block_id, None)
+        self._forget(block_id)
         for follower in self._followers:
             follower.on_remove(block_id)
 
     def on_evicted(self, block_id: BlockId) -> None:
-        self._meta.pop(block_id, None)
+        self._forget(block_id)
         for follower in self._followers:
             follower.on_evicted(block_id)
 
@@ -161,7 +165,7 @@ class AdaptivePolicy(EvictionPolicy):
         for index in order:  # the others only when the leader has no evictable block
             victim = self._followers[index].evict(can_evict)
             if victim is not None:
-                self._meta.pop(victim, None)
+                self._forget(victim)
                 for other, follower in enumerate(self._followers):
                     if other != index:
                         follower.on_evicted(victim)
@@ -176,6 +180,9 @@ class AdaptivePolicy(EvictionPolicy):
 
     # -- internals ----------------------------------------------------------------------------------
 
+    def _forget(self, block_id: BlockId) -> None:
+        self._meta.pop(block_id, None)
+
     def _observe(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         """One access of the stream: every shadow replays it, then the leader may change."""
         if self.sample_rate > 1 and (((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate:
@@ -184,11 +191,11 @@ class AdaptivePolicy(EvictionPolicy):
         for shadow in self._shadows:
             shadow.score *= decay
             shadow.access(block_id, meta, now)
-        if not self._shadows[0].is_full:
-            return  # the shadows are still filling: cold-start hits say nothing about the orders
         leader_score = self._shadows[self.leader].score
         best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
         best_score = self._shadows[best].score
         lead = best_score - leader_score
-        if lead > self.switch_margin * leader_score and lead * lead > self.switch_z**2 * (best_score + leader_score):
+        if lead > self.switch_margin * leader_score and lead * lead > self.switch_z**2 * (
+            best_score + leader_score
+        ):
             self.leader = best

@@ -100,7 +100,9 @@ class S3FIFOPolicy(EvictionPolicy):
         for child in self._children.pop(block_id, ()):
             del self._parent[child]
 
-    def _evictable_descendant(self, block_id: BlockId, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+    def _evictable_descendant(
+        self, block_id: BlockId, can_evict: Callable[[BlockId], bool]
+    ) -> BlockId | None:
         """The deepest evictable descendant of ``block_id`` (depth-first), or None."""
         stack = list(self._children.get(block_id, ()))
         found: BlockId | None = None
