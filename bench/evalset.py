@@ -133,3 +133,67 @@ def evaluation_set() -> list[EvalTrace]:
 
 
 TraceFilter = Callable[[EvalTrace], bool]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Replay the full-size set: one table per trace, then one JSON line."""
+    import argparse
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from bench.hitrate import simulate_one
+    from bench.trace import num_unique_blocks
+
+    parser = argparse.ArgumentParser(prog="python -m bench.evalset", description=main.__doc__)
+    parser.add_argument("--policy", default="lru,arc,s3fifo,prefix,default", help="comma-separated")
+    parser.add_argument("--trace", action="append", help="trace names (default: all)")
+    parser.add_argument("--compact", action="store_true", help="the CI test's compact prefixes")
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policy.split(",") if p]
+    fractions = (0.01, 0.05, 0.1, 0.2)
+    traces = [t for t in evaluation_set() if not args.trace or t.name in args.trace]
+    out, results = Console(width=160), []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("replaying", total=len(traces) * len(fractions) * len(policies))
+        for trace in traces:
+            requests = trace.load(compact=args.compact)
+            num_unique = num_unique_blocks(requests)
+            rows: dict[str, list[float]] = {}
+            for policy in policies:
+                for fraction in fractions:
+                    progress.update(task, description=f"{trace.name} {policy} {fraction:.0%}")
+                    capacity = max(1, int(fraction * num_unique))
+                    ratio = simulate_one(requests, policy, capacity).prefix_hit_ratio
+                    rows.setdefault(policy, []).append(ratio)
+                    results.append(
+                        {
+                            "trace": trace.name,
+                            "held_out": trace.held_out,
+                            "policy": policy,
+                            "capacity": fraction,
+                            "prefix_hit_ratio": round(ratio, 4),
+                        }
+                    )
+                    progress.advance(task)
+            table = Table(
+                title=f"{trace.name} ({trace.family}{', held out' if trace.held_out else ''}; "
+                f"{len(requests)} requests, {num_unique} unique blocks): prefix-usable hit ratio"
+            )
+            for column in ("policy", *(f"{f:.0%}" for f in fractions)):
+                table.add_column(column, justify="right")
+            for policy, ratios in rows.items():
+                table.add_row(policy, *(f"{r:.4f}" for r in ratios))
+            if "default" in rows and "lru" in rows and "arc" in rows:
+                margins = [
+                    d - max(a, b) for d, a, b in zip(rows["default"], rows["lru"], rows["arc"], strict=True)
+                ]
+                table.add_row("default − max(lru, arc)", *(f"{m:+.4f}" for m in margins))
+            out.print(table)
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
