@@ -5,9 +5,10 @@ asked, names a victim. The owner of the blocks decides which blocks may go at al
 running request, or blocks that still have cached children, are not evictable) and passes that as the
 ``can_evict`` predicate; the policy picks among the rest by its own order.
 
-The protocol lives in ``eviction_base``; each family has its own module: LRU here, ``eviction_s3fifo``,
-``eviction_arc`` (both with libCacheSim's exact semantics) and ``eviction_prefix``, the prefix-aware
-policy that is the default. Why it is the default, with the numbers: ``docs/eviction.md``.
+The protocol lives in ``eviction_base``; each family has its own module: ``eviction_lru``,
+``eviction_s3fifo``, ``eviction_arc`` (both with libCacheSim's exact semantics), ``eviction_prefix`` (the
+prefix-aware policy) and ``eviction_adaptive``, the default, which follows whichever of prefix / ARC /
+LRU is winning on the workload. Why, with the numbers: ``docs/eviction.md``.
 """
 
 from __future__ import annotations
