@@ -37,37 +37,13 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.gateway_chat import CANONICALIZATION_MODES, CHAT_MESSAGES, CHAT_TOOLS
 from gateway.model import ModelInfo, ModelRuntime
 from gateway.up import free_port
 from policies.isolation import namespace_segments
 
 SALT = "bench-salt"
 ADMIN_TOKEN = "bench-admin"
-CANONICALIZATION_MODES = ("off", "report", "on")
-CHAT_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "lookup_order",
-            "description": "Find an order by id and return its status.",
-            "parameters": {
-                "type": "object",
-                "properties": {"order_id": {"type": "string"}, "verbose": {"type": "boolean"}},
-                "required": ["order_id"],
-            },
-        },
-    }
-]
-CHAT_MESSAGES = [
-    {
-        "role": "system",
-        "content": "You are the support assistant of an online shop. Current time: 2026-12-01T03:12:59Z. "
-        "Answer briefly and politely; call lookup_order when the user gives an order id.",
-    },
-    {"role": "user", "content": "Hello, my parcel has not arrived yet."},
-    {"role": "assistant", "content": "Sorry to hear that. What is your order id?"},
-    {"role": "user", "content": "It is A-1234, placed last Monday."},
-]
 SHORT_PROMPT = "Summarize the following in one sentence: the quick brown fox jumps over the lazy dog."
 
 
