@@ -9,6 +9,8 @@ A request's prompt is built the way chat applications build theirs, so its block
   across tenants: their blocks get the same ids whichever tenant sends them.
 - Conversations are multi-turn sessions: turn ``k``'s prompt is turn ``k - 1``'s prompt plus its answer
   plus a new user message. Sessions start as a Poisson process; turns follow after a think time.
+- Tool agents (``tool_result_blocks`` > 0) append a tool's output to the context after each answer:
+  many short turns, each a strict extension of the last, a few seconds apart.
 - Block ids are chained the way the worker hashes prefixes: a block's id is determined by its parent's
   id and its own content, so equal ids at the same position mean equal prefixes.
 
@@ -53,6 +55,7 @@ class WorkloadSpec:
     mean_think_s: float = 40.0  # time between a session's turns (exponential)
     message_blocks: tuple[int, int] = (1, 4)  # new user message per turn
     answer_blocks: tuple[int, int] = (0, 3)  # assistant answer kept in the next turn's prompt
+    tool_result_blocks: tuple[int, int] = (0, 0)  # tool output appended after each answer (agents)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +63,8 @@ class Part:
     """One piece of a planned prompt: which content it holds and how long it is, not its text.
 
     ``key[0]`` is the kind: ``system`` (a tenant's own system prompt), ``public`` (a template every
-    tenant may use), ``document``, ``message`` (a user turn) or ``answer`` (an assistant turn).
+    tenant may use), ``document``, ``message`` (a user turn), ``answer`` (an assistant turn) or
+    ``tool`` (a tool's output in an agent loop).
     Equal keys mean equal content.
     """
 
@@ -189,6 +193,9 @@ def plan_workload(spec: WorkloadSpec) -> list[PlannedRequest]:
             )
         )
         session.history += [message, answer]
+        if spec.tool_result_blocks[1] > 0:  # a tool-agent loop: the call's result joins the context
+            num_result_blocks = _span(rng, spec.tool_result_blocks)
+            session.history.append(Part(key=("tool", session.session_id, turn), num_blocks=num_result_blocks))
         session.turns_left -= 1
         if session.turns_left > 0:
             heapq.heappush(pending, (now_s + rng.expovariate(1.0 / spec.mean_think_s), tie, session))

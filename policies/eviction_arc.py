@@ -78,6 +78,21 @@ class ARCPolicy(EvictionPolicy):
         if self._t1.pop(block_id, False) is False:
             self._t2.pop(block_id, None)
 
+    def on_evicted(self, block_id: BlockId) -> None:
+        for data, ghost in ((self._t1, self._b1), (self._t2, self._b2)):
+            if block_id in data:
+                del data[block_id]
+                ghost[block_id] = None
+                break
+        else:
+            return
+        # The directory bounds that evict() keeps when ARC chooses its own victims.
+        capacity = self.capacity_blocks
+        while self._b1 and len(self._t1) + len(self._b1) > capacity:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2) > 2 * capacity:
+            self._b2.popitem(last=False)
+
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         if self._ghost_hit is not None:
             return self._replace(can_evict, in_b2=self._ghost_hit[1] == 2)

@@ -68,6 +68,13 @@ class EvictionPolicy(ABC):
     def on_remove(self, block_id: BlockId) -> None:
         """A resident block left the cache for a reason other than ``evict`` (purge, stranded)."""
 
+    def on_evicted(self, block_id: BlockId) -> None:
+        """The owner evicted a resident block that another policy chose (a policy run beside others).
+
+        Policies with ghost lists record it as if they had evicted it themselves; the default forgets it.
+        """
+        self.on_remove(block_id)
+
     @abstractmethod
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         """Choose, forget and return a victim, or None if no tracked block may be evicted."""

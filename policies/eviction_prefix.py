@@ -122,6 +122,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         if block_id in self._blocks:
             self._forget(block_id)
 
+    def on_evicted(self, block_id: BlockId) -> None:
+        block = self._blocks.get(block_id)
+        if block is not None:
+            self._forget(block_id)
+            self._remember_victim(block.segment, block_id)
+
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         over_target = self._num_blocks[PROBATION] > self.target_probation_blocks
         order = (PROBATION, PROTECTED) if over_target else (PROTECTED, PROBATION)
@@ -129,10 +135,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             victim = self._pop_leaf(segment, can_evict)
             if victim is not None:
                 self._forget(victim)
-                recent = self._recent_victims[segment]
-                recent[victim] = None
-                if len(recent) > self.probe_window:
-                    recent.popitem(last=False)
+                self._remember_victim(segment, victim)
                 return victim
         return None
 
@@ -152,6 +155,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         elif block_id in self._recent_victims[PROTECTED]:
             del self._recent_victims[PROTECTED][block_id]
             self.target_probation_blocks = max(self.target_probation_blocks - 1, 0)
+
+    def _remember_victim(self, segment: int, block_id: BlockId) -> None:
+        recent = self._recent_victims[segment]
+        recent[block_id] = None
+        if len(recent) > self.probe_window:
+            recent.popitem(last=False)
 
     def _rank(self, block_id: BlockId, block: _Block) -> None:
         if block.segment == PROBATION:

@@ -28,7 +28,7 @@ def test_sweep_reports_every_combination(trace, tmp_path, capsys):
             *("--trace", str(trace), "--capacity", "0.05,0.1", "--plot", str(plot)),
             *(
                 "--policy",
-                "lru,prefix,default,belady",
+                "lru,adaptive,default,belady",
                 "--isolation",
                 "shared,namespace",
                 "--mode",
@@ -47,7 +47,7 @@ def test_sweep_reports_every_combination(trace, tmp_path, capsys):
         best = by_key[("belady", capacity, isolation, mode)]
         assert r["prefix_hit_ratio"] <= best["prefix_hit_ratio"]
         if policy == "default":
-            twin = by_key[("prefix", capacity, isolation, mode)]
+            twin = by_key[("adaptive", capacity, isolation, mode)]  # the default, reused
             assert (r["hit_ratio"], r["prefix_hit_ratio"]) == (twin["hit_ratio"], twin["prefix_hit_ratio"])
     assert plot.stat().st_size > 0
 

@@ -1,10 +1,11 @@
 """The synthetic multi-tenant workload: chained ids, tenants, shared public prompts, sessions."""
 
+import itertools
 import json
 from dataclasses import replace
 
 from bench.trace import load_trace
-from bench.workloads import WorkloadSpec, generate_workload, main
+from bench.workloads import WorkloadSpec, generate_workload, main, plan_workload
 
 SPEC = WorkloadSpec(num_requests=800, seed=11)
 
@@ -68,3 +69,22 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
         "output_length",
         "hash_ids",
     }
+
+
+def test_tool_agents_append_a_tool_result_after_each_answer():
+    agent = replace(
+        SPEC, tool_result_blocks=(2, 2), answer_blocks=(0, 0), message_blocks=(1, 1), mean_turns=6.0
+    )
+    plans = plan_workload(agent)
+    by_session: dict[int, list] = {}
+    for plan in plans:
+        by_session.setdefault(plan.session_id, []).append(plan)
+    multi_turn = [turns for turns in by_session.values() if len(turns) > 2]
+    assert multi_turn
+    for turns in multi_turn:
+        for earlier, later in itertools.pairwise(turns):
+            assert later.parts[: len(earlier.parts)] == earlier.parts  # a strict extension
+            added = later.parts[len(earlier.parts) :]
+            assert [p.kind for p in added] == ["answer", "tool", "message"]
+            assert added[1].num_blocks == 2
+    assert all(p.kind != "tool" for plan in plan_workload(SPEC) for p in plan.parts)  # off by default

@@ -1,0 +1,201 @@
+"""The default eviction policy: follow whichever expert policy is winning on this workload, online.
+
+No single order wins everywhere: the prefix-aware policy (``eviction_prefix``) is well ahead on traces
+with much one-off content (Mooncake), ARC on small caches of multi-turn chats, LRU on large caches of
+sessions that come back after a long think time. ``AdaptivePolicy`` runs all three and learns which one
+to follow from the accesses it sees, the way ARC learns its T1 size from its own ghost hits:
+
+- **Shadows.** Each expert also runs on a shadow cache of the same capacity that holds ids only and sees
+  every access (hits and misses of the real cache alike). A shadow's hits decay by half every
+  ``half_life_factor`` × capacity accesses, so each shadow's score is its recent hit count: what that
+  expert would have hit had it run the cache alone.
+- **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader (the best
+  recent score) for the victim and tells the others with ``on_evicted``, so each follower keeps its
+  ghost lists and is ready the moment it leads.
+- **Hysteresis.** The leader changes only when another shadow's score beats it by ``switch_margin``
+  (relative) and by ``switch_z`` standard deviations (scores are counts, Poisson-like): when the experts
+  tie, or while the counts are small, the cache does not flap between orders.
+
+When one expert leads all the time the real cache is exactly that expert (the leader's follower gets the
+same calls as the policy alone), so the default loses nothing on a workload where one order is best;
+where the best order changes, it changes with it. Large caches sample the shadows by block id (SHARDS,
+Waldspurger et al., FAST'15: a shadow of ``capacity / rate`` blocks sees one id in ``rate``), so the
+shadows cost at most ``max_shadow_blocks`` ids each whatever the capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from policies.eviction_arc import ARCPolicy
+from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+from policies.eviction_lru import LRUPolicy
+from policies.eviction_prefix import PrefixAwarePolicy
+
+_EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, ARCPolicy, LRUPolicy)
+_SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
+_MASK_64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class _Shadow:
+    """One expert on an id-only prefix store of its own: what it would have hit running alone.
+
+    It keeps the owner's rules (a prompt's blocks are pinned while it runs, only leaves are evicted) so
+    that its score tracks the expert's own hit ratio, and counts prefix-usable hits only: a hit whose
+    parent was the previous access and was usable (owners report a prompt's blocks in order).
+    """
+
+    policy: EvictionPolicy
+    capacity_blocks: int
+    sampled: bool  # sees one id in ``sample_rate``: no chains to follow, every hit counts
+    score: float = 0.0  # decayed count of prefix-usable hits
+    parent_of: dict[BlockId, BlockId | None] = field(default_factory=dict)  # resident -> resident parent
+    num_children: dict[BlockId, int] = field(default_factory=dict)  # resident -> resident children
+    pinned: set[BlockId] = field(default_factory=set)  # blocks of the prompt being replayed
+    last_position: int = -1  # position of the previous access (a drop starts a new prompt)
+    last_usable: BlockId | None = None  # the previous access, if it was a usable hit
+
+    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+        """Replay one access of the real cache's stream."""
+        if meta.position <= self.last_position:
+            self.pinned.clear()
+        self.last_position = meta.position
+        if block_id in self.parent_of:
+            if self.sampled or meta.position == 0 or meta.parent == self.last_usable:
+                self.score += 1.0
+                self.last_usable = block_id
+            else:
+                self.last_usable = None
+            self.pinned.add(block_id)
+            self.policy.on_hit(block_id, now)
+            return
+        self.last_usable = None
+        self.policy.on_miss(block_id, now)
+        if len(self.parent_of) >= self.capacity_blocks:
+            victim = self.policy.evict(self._can_evict)
+            if victim is None:
+                return
+            victim_parent = self.parent_of.pop(victim)
+            if victim_parent is not None:
+                left = self.num_children[victim_parent] - 1
+                if left:
+                    self.num_children[victim_parent] = left
+                else:
+                    del self.num_children[victim_parent]
+        parent = meta.parent if meta.parent in self.parent_of and not self.sampled else None
+        if parent is not None:
+            self.num_children[parent] = self.num_children.get(parent, 0) + 1
+        self.parent_of[block_id] = parent
+        self.pinned.add(block_id)
+        self.policy.on_insert(block_id, meta, now)
+
+    def _can_evict(self, block_id: BlockId) -> bool:
+        return block_id not in self.pinned and block_id not in self.num_children
+
+    @property
+    def is_full(self) -> bool:
+        return len(self.parent_of) >= self.capacity_blocks
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Follows the expert (prefix-aware, ARC, LRU) whose shadow cache hits most recently."""
+
+    name = "adaptive"
+
+    half_life_factor = 8.0  # accesses for a shadow hit to count half, × capacity
+    switch_margin = 0.03  # relative score lead another expert needs to take over
+    switch_z = 3.0  # ... and it must be significant: this many standard deviations of a Poisson count
+    initial_leader = 0  # the prefix-aware policy
+    max_shadow_blocks = 8192  # shadows of larger caches sample ids (one in capacity / this)
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__(capacity_blocks)
+        capacity = max(capacity_blocks, 1)
+        self.sample_rate = max(1, capacity // self.max_shadow_blocks)
+        shadow_capacity = max(1, capacity // self.sample_rate)
+        self._followers = [expert(capacity) for expert in _EXPERTS]
+        self._shadows = [
+            _Shadow(
+                policy=expert(shadow_capacity), capacity_blocks=shadow_capacity, sampled=self.sample_rate > 1
+            )
+            for expert in _EXPERTS
+        ]
+        self._decay = 0.5 ** (1.0 / (self.half_life_factor * shadow_capacity))
+        self.leader = self.initial_leader  # index into the experts, until the shadows show otherwise
+        self._meta: dict[BlockId, BlockMeta] = {}  # resident block -> its meta (shadows need parents)
+
+    @property
+    def leader_name(self) -> str:
+        return self._followers[self.leader].name
+
+    # -- owner calls ---------------------------------------------------------------------------------
+
+    def on_miss(self, block_id: BlockId, now: float) -> None:
+        for follower in self._followers:
+            follower.on_miss(block_id, now)
+
+    def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+        for follower in self._followers:
+            follower.on_insert(block_id, meta, now)
+        self._meta[block_id] = meta
+        self._observe(block_id, meta, now)
+
+    def on_hit(self, block_id: BlockId, now: float) -> None:
+        meta = self._meta.get(block_id)
+        if meta is None:
+            return
+        for follower in self._followers:
+            follower.on_hit(block_id, now)
+        self._observe(block_id, meta, now)
+
+    def on_remove(self, block_id: BlockId) -> None:
+        self._forget(block_id)
+        for follower in self._followers:
+            follower.on_remove(block_id)
+
+    def on_evicted(self, block_id: BlockId) -> None:
+        self._forget(block_id)
+        for follower in self._followers:
+            follower.on_evicted(block_id)
+
+    def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+        order = [self.leader, *(i for i in range(len(self._followers)) if i != self.leader)]
+        for index in order:  # the others only when the leader has no evictable block
+            victim = self._followers[index].evict(can_evict)
+            if victim is not None:
+                self._forget(victim)
+                for other, follower in enumerate(self._followers):
+                    if other != index:
+                        follower.on_evicted(victim)
+                return victim
+        return None
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._meta
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _forget(self, block_id: BlockId) -> None:
+        self._meta.pop(block_id, None)
+
+    def _observe(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+        """One access of the stream: every shadow replays it, then the leader may change."""
+        if self.sample_rate > 1 and (((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate:
+            return
+        decay = self._decay
+        for shadow in self._shadows:
+            shadow.score *= decay
+            shadow.access(block_id, meta, now)
+        leader_score = self._shadows[self.leader].score
+        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
+        best_score = self._shadows[best].score
+        lead = best_score - leader_score
+        if lead > self.switch_margin * leader_score and lead * lead > self.switch_z**2 * (
+            best_score + leader_score
+        ):
+            self.leader = best

@@ -1,0 +1,30 @@
+"""The evaluation set: every family, held-out traces, compact prefixes."""
+
+from bench.evalset import COMPACT_BLOCKS, evaluation_set
+
+
+def test_every_generated_family_has_tuning_and_held_out_traces():
+    traces = evaluation_set()
+    assert len({t.name for t in traces}) == len(traces)
+    families = {t.family for t in traces if t.spec is not None}
+    assert families == {"chat", "rag", "mixed", "agent"}
+    for family in families - {"rag"}:
+        held = {t.held_out for t in traces if t.family == family}
+        assert held == {True, False}, family
+    assert not any(t.held_out for t in traces if t.family == "mooncake")
+
+
+def test_compact_traces_are_prefixes_within_the_block_budget():
+    for trace in evaluation_set():
+        if trace.spec is None:
+            continue
+        full, compact = trace.load(), trace.load(compact=True)
+        assert 0 < len(compact) < len(full)
+        assert full[: len(compact)] == compact
+        assert sum(len(r.hash_ids) for r in compact) <= COMPACT_BLOCKS
+
+
+def test_the_mooncake_trace_is_the_shared_one():
+    (mooncake,) = (t for t in evaluation_set() if t.family == "mooncake")
+    requests = mooncake.load()
+    assert len(requests) == 3993

@@ -1,0 +1,72 @@
+"""The adaptive default: experts on shadow caches, the leader's order on the real one, ghosts kept."""
+
+from bench.isolation import partitions
+from bench.replay import replay
+from bench.trace import TraceRequest
+from policies.eviction import AdaptivePolicy, ARCPolicy, BlockId, BlockMeta, make_policy
+
+
+def _insert(policy, block_id: int, parent: int | None = None, position: int = 0) -> None:
+    meta = BlockMeta(position=position, parent=None if parent is None else BlockId(parent))
+    policy.on_miss(BlockId(block_id), 0.0)
+    policy.on_insert(BlockId(block_id), meta, 0.0)
+
+
+def test_alone_the_leader_is_exactly_its_expert():
+    # Until another expert's shadow is significantly ahead, the real cache is the prefix-aware policy.
+    requests = [
+        TraceRequest(timestamp_ms=i, hash_ids=tuple(range(i % 7 * 10, i % 7 * 10 + 5))) for i in range(60)
+    ]
+    (part,) = partitions(requests, "shared", 12)
+    adaptive = AdaptivePolicy(12)
+    ours = replay(part.requests, adaptive, 12)
+    alone = replay(part.requests, make_policy("prefix", 12), 12)
+    assert adaptive.leader_name == "prefix"
+    assert ours == alone
+
+
+def test_a_better_expert_takes_the_lead():
+    # Two hot 3-block chains alternate with one-off 4-block chains: 11 distinct blocks between two uses
+    # of a hot chain, one more than the cache holds, so LRU never hits while ARC's frequency list and the
+    # prefix policy's protected segment keep the hot chains.
+    requests = []
+    for i in range(1500):
+        hot = (i % 2) * 1000
+        requests.append(TraceRequest(timestamp_ms=i, hash_ids=tuple(range(hot, hot + 3))))
+        requests.append(
+            TraceRequest(timestamp_ms=i, hash_ids=tuple(range(10_000 + 4 * i, 10_000 + 4 * i + 4)))
+        )
+    (part,) = partitions(requests, "shared", 10)
+    adaptive = AdaptivePolicy(10)
+    adaptive.leader = 2  # start on LRU, the worst expert here
+    ours = replay(part.requests, adaptive, 10)
+    lru = replay(part.requests, make_policy("lru", 10), 10)
+    assert adaptive.leader_name != "lru"
+    assert ours.prefix_hit_ratio > lru.prefix_hit_ratio
+
+
+def test_followers_forget_what_the_leader_evicts():
+    policy = AdaptivePolicy(8)
+    for block_id in range(1, 9):
+        _insert(policy, block_id)
+    victim = policy.evict(lambda b: True)
+    assert victim is not None and victim not in policy and len(policy) == 7
+    assert all(victim not in follower for follower in policy._followers)
+    assert all(len(follower) == 7 for follower in policy._followers)
+
+
+def test_arc_keeps_a_block_evicted_by_another_policy_as_a_ghost():
+    arc = ARCPolicy(4)
+    for block_id in (1, 2):
+        _insert(arc, block_id)
+    arc.on_evicted(BlockId(2))
+    assert BlockId(2) not in arc
+    arc.on_miss(BlockId(2), 0.0)  # a ghost hit: p grows, the block goes to T2
+    arc.on_insert(BlockId(2), BlockMeta(position=0, parent=None), 0.0)
+    assert arc.target_t1_blocks == 1.0
+
+
+def test_large_caches_sample_their_shadows():
+    policy = AdaptivePolicy(100_000)
+    assert policy.sample_rate == 12
+    assert all(shadow.capacity_blocks == 100_000 // 12 for shadow in policy._shadows)
