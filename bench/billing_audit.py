@@ -100,7 +100,7 @@ async def one_request(
                 return
             if not sent.stream:
                 data = await response.json()
-                sent.request_id, sent.usage = data["id"], data["usage"]
+                sent.request_id, sent.usage = response.headers["x-request-id"], data["usage"]
                 sent.text = data["choices"][0]["message"]["content"]
                 return
             await _read_stream(response, sent, rng)
@@ -120,7 +120,7 @@ async def _read_stream(response: aiohttp.ClientResponse, sent: Sent, rng: random
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
-            sent.request_id = sent.request_id or chunk.get("id")
+            sent.request_id = sent.request_id or response.headers["x-request-id"]  # the record's key
             if chunk.get("usage") and not chunk.get("choices"):
                 sent.usage, sent.cut = chunk["usage"], False
             for choice in chunk.get("choices") or ():

@@ -149,6 +149,8 @@ class WorkerPool:
             await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()
+            # The call (often a generator's anext) must have ended before its generator can be closed.
+            await asyncio.wait((task,))
             raise
         if not task.done():
             task.cancel()

@@ -79,7 +79,7 @@ async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, wor
     assert status == 429 and body["error"]["code"] == "tokens_exceeded"  # can never fit
     status, headers, _ = await post(client, key, chat(max_tokens=left - prompt_tokens))
     assert status == 200 and headers["x-ratelimit-remaining-tokens"] == "0"  # what was left still serves
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=ADMIN)).text()
     counted = [line for line in metrics.splitlines() if line.startswith("prefixgate_prompt_tokens_total{")]
     assert counted and counted[0].endswith(f" {2 * prompt_tokens}.0"), counted  # refused ones bill nothing
 
@@ -112,7 +112,7 @@ async def test_gateway_in_flight_bound_answers_503(aiohttp_client, sqlite_url, t
     assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
     overloaded = [(h, b) for s, h, b in results if s == 503]
     assert all(b["error"]["code"] == "server_overloaded" and h["Retry-After"] == "1" for h, b in overloaded)
-    metrics = await (await client.get("/metrics")).text()
+    metrics = await (await client.get("/metrics", headers=ADMIN)).text()
     assert "prefixgate_queue_seconds_count" in metrics and "prefixgate_requests_in_flight 0.0" in metrics
 
 
@@ -123,7 +123,7 @@ async def test_ttft_histogram_counts_streamed_requests(gateway):
     )
     assert response.status == 200
     await response.read()
-    metrics = await (await gateway.get("/metrics")).text()
+    metrics = await (await gateway.get("/metrics", headers=ADMIN)).text()
     assert 'prefixgate_time_to_first_token_seconds_count{endpoint="chat.completions"} 1.0' in metrics
 
 

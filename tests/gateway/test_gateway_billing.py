@@ -226,7 +226,7 @@ async def test_report_endpoints_export_and_rejected_records(gateway):
     assert listed == {"object": "list", "total": 0, "data": []}
     retried = await (await gateway.post("/admin/v1/usage/rejected/retry", headers=ADMIN)).json()
     assert retried == {"stored": 0, "rejected": 0}
-    metrics = await (await gateway.get("/metrics")).text()
+    metrics = await (await gateway.get("/metrics", headers=ADMIN)).text()
     assert "prefixgate_usage_rejected 0.0" in metrics
 
 

@@ -48,7 +48,8 @@ async def _records(url: str) -> dict[str, UsageRecord]:
 
 async def _stream(
     session: aiohttp.ClientSession, base: str, key: str, max_tokens: int, started: list
-) -> bytes:
+) -> tuple[str, bytes]:
+    """The stream's x-request-id (its usage record's key) and what arrived of it."""
     body = chat_body(unique_system_prompt(), stream=True, max_tokens=max_tokens, ignore_eos=True)
     async with session.post(
         f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
@@ -62,7 +63,7 @@ async def _stream(
                 raw += chunk
         except aiohttp.ClientPayloadError:
             pass  # the server closed the connection at the end of its drain
-        return raw
+        return response.headers["x-request-id"], raw
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -131,14 +132,14 @@ async def test_docker_stop_drains_cuts_and_records_every_stream(tmp_path: Path, 
 
     rows = await _records(url)
     assert len(rows) == NUM_LONG + NUM_SHORT
-    for raw in completed:
+    for request_id, raw in completed:
         events = parse_sse(raw)
-        row = rows[events[0]["id"]]
+        row = rows[request_id]
         assert row.outcome == "completed" and row.completion_tokens == 5
-    for raw in cut:
+    for request_id, raw in cut:
         events = parse_sse(raw)
         text = streamed_text(events)
-        row = rows[events[0]["id"]]
+        row = rows[request_id]
         assert row.outcome == "shutdown" and row.status == 200
         assert 0 < len(text) <= row.completion_tokens <= len(text.encode()) < 3500
         assert row.prompt_tokens > 64 and row.cost_total > 0
