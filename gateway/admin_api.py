@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -209,20 +209,6 @@ def _int_query(request: web.Request, name: str, default: int) -> int:
         return max(1, min(int(raw), 10_000))
     except ValueError:
         raise InvalidRequest(f"'{name}' must be an integer", param=name) from None
-
-
-def _time_query(request: web.Request, name: str) -> datetime | None:
-    raw = request.query.get(name)
-    if not raw:
-        return None
-    try:
-        moment = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
-        try:
-            moment = datetime.combine(date.fromisoformat(raw), datetime.min.time())
-        except ValueError:
-            raise InvalidRequest(f"'{name}' must be an ISO 8601 date or time", param=name) from None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 async def workers_status(request: web.Request) -> web.Response:
