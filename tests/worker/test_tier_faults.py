@@ -1,15 +1,18 @@
 """Tier faults while serving: a deleted L3 directory, a hung (SIGSTOPped) Redis."""
 
 import asyncio
+import contextlib
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
 
 from tests.worker.conftest import greedy, prompt_of, run
-from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1
+from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1, redis_url  # noqa: F401 - fixture
 from tests.worker_process import free_port
 from worker.config import parse_args
 
@@ -84,3 +87,57 @@ def test_tier_fault_settings_are_flags_and_environment(monkeypatch):
     assert config.remote_pause_s == 2.5 and config.remote_timeout_ms == 400
     assert config.watchdog_timeout_s == 3.5 and config.max_waiting_tokens == 9
     assert parse_args([]).remote_timeout_ms == 250
+
+
+class SlowLink:
+    """A TCP proxy in front of a real Redis that holds every reply ``delay_s``: a busy host's latency."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target_port, self.delay_s = target_port, delay_s
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+                threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+                threading.Thread(target=self._pump, args=(server, client, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                time.sleep(delay_s)
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+async def test_remote_tier_serves_through_a_slow_link_within_its_default_timeout(
+    make_engine,
+    redis_url,  # noqa: F811 - the fixture imported above
+):
+    """Issue 9: the remote tier's 50 ms timeout tripped on a busy host; a 100 ms reply is still a hit."""
+    port = int(redis_url.split(":")[2].split("/")[0])
+    link = SlowLink(port, delay_s=0.1)
+    try:
+        slow_url = f"redis://127.0.0.1:{link.port}/{redis_url.rsplit('/', 1)[1]}"
+        producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=slow_url)
+        prompt = prompt_of(77, 80)
+        expected, _, _ = await run(producer, "ref", prompt, use_cache=False)
+        await run(producer, "first", prompt, segs=A)
+        await push_out_of_l1(producer)
+        producer.store.wait_for_writes()
+        consumer = make_engine(remote_url=slow_url)
+        got, usage, _ = await run(consumer, "same-tenant", prompt, segs=A)
+        assert got == expected
+        assert usage["cached_tokens_by_source"]["remote"] > 0, usage
+        assert consumer.stats()["tiers"]["remote"].get("errors_total", 0) == 0  # no timeout, no pause
+    finally:
+        link.close()
