@@ -139,14 +139,14 @@ async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[s
 
 
 async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
-    """Count a request's tokens (prompt + max_tokens) against the tenant's tokens per minute."""
+    """Count a request's tokens (prompt + n × max_tokens) against the tenant's tokens per minute."""
     limit = call.tenant.rate_limit_tpm
     decision = await request.config_dict[RATE_LIMITER].check(f"t:{call.tenant.tenant_id}", limit, num_tokens)
     call.rate_headers.update(decision.headers("tokens"))
     if not decision.allowed:
         too_big = limit is not None and num_tokens > limit
         raise RateLimited(
-            f"this request needs {num_tokens} tokens (prompt + max_tokens) and the limit of {limit} "
+            f"this request needs {num_tokens} tokens (prompt + n × max_tokens) and the limit of {limit} "
             + ("tokens per minute can never fit it" if too_big else "tokens per minute is reached"),
             code="tokens_exceeded" if too_big else "rate_limit_exceeded",
             retry_after_s=decision.retry_after_s,
@@ -221,7 +221,9 @@ async def _serve(
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
     num_prompt_tokens = len(prepared.prompt_token_ids)
-    await check_token_limit(request, call, num_prompt_tokens + (prepared.sampling.max_tokens or 0))
+    # Each of the n choices may generate max_tokens (OpenAI counts them all against the limit too).
+    max_new_tokens = (prepared.sampling.max_tokens or 0) * prepared.sampling.n
+    await check_token_limit(request, call, num_prompt_tokens + max_new_tokens)
     call.num_prompt_tokens = num_prompt_tokens  # from here on the request counts (a 429 bills nothing)
     call.prepared = prepared
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)

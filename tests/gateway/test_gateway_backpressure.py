@@ -63,6 +63,18 @@ async def test_rpm_answers_headers_and_429_with_retry_after(aiohttp_client, sqli
     assert int(headers["Retry-After"]) >= 1 and headers["x-ratelimit-remaining-requests"] == "0"
 
 
+async def test_tokens_per_minute_counts_every_choice(aiohttp_client, sqlite_url, tmp_path, worker_url):
+    """``n`` choices may each generate ``max_tokens``: the token limit counts them all, as OpenAI's does."""
+    client = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,))))
+    key = await new_tenant(client, rate_limit_tpm=300)
+    status, headers, body = await post(client, key, chat(max_tokens=60, n=3))
+    assert status == 200, body
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert headers["x-ratelimit-remaining-tokens"] == str(300 - prompt_tokens - 3 * 60)
+    status, _, body = await post(client, key, chat(max_tokens=100, n=3))
+    assert status == 429 and body["error"]["code"] == "tokens_exceeded", body  # 3 x 100 can never fit
+
+
 async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, worker_url):
     client = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,))))
     key = await new_tenant(client, rate_limit_tpm=200)
