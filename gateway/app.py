@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -73,10 +72,12 @@ from tenancy.usage import UsageWriter
 log = logging.getLogger(__name__)
 
 
-async def _stop(task: asyncio.Task) -> None:
+async def _stop(task: asyncio.Task, timeout_s: float = 5.0) -> None:
+    """Cancel a background task and wait a bounded time for it to end (it must not hold the shutdown)."""
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    _, pending = await asyncio.wait({task}, timeout=timeout_s)
+    if pending:
+        log.warning("background task %s did not stop within %.0f s", task.get_name(), timeout_s)
 
 
 async def rate_limit_ctx(app: web.Application) -> AsyncIterator[None]:

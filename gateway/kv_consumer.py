@@ -48,17 +48,24 @@ class KVEventConsumer:
             asyncio.create_task(self._follow(url), name=f"kv-events {url}") for url in self._pool.workers
         ]
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop following; bounded, so a Redis or worker call that ignores its cancellation cannot hold
+        the gateway's shutdown (``asyncio.wait`` returns at its timeout, ``wait_for`` would not)."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if pending:
+                log.warning("KV-event followers still running at close: %s", [t.get_name() for t in pending])
         if self._relay is not None:
-            for url in list(self.leading):
-                with contextlib.suppress(Exception):
-                    await self._relay.release(url)
-            await self._relay.close()
+            steps = [self._relay.release(url) for url in list(self.leading)]
+            for step in [*steps, self._relay.close()]:
+                task = asyncio.ensure_future(step)
+                done, _ = await asyncio.wait({task}, timeout=timeout_s)
+                if not done:
+                    task.cancel()
+                elif task.exception() is not None:
+                    log.info("KV-event relay close: %s", task.exception())
 
     async def _poll(self, url: str) -> dict[str, Any] | None:
         """One long poll of the worker, applied to the index; None (and the worker dropped) on failure."""
