@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -75,3 +76,12 @@ def second_worker_url(tmp_path_factory, worker_url):
 async def gateway(aiohttp_client, sqlite_url, tmp_path, worker_url):  # noqa: F811
     """The real gateway app in front of the real worker."""
     return await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,))))
+
+
+@pytest.fixture
+async def sdk(gateway):
+    """The real openai SDK as a new tenant of ``gateway``."""
+    key = (await create_tenant(gateway))["api_key"]
+    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
+    yield client
+    await client.close()

@@ -25,14 +25,6 @@ from worker.tokenizer import BYTE_CHAT_TEMPLATE
 A, B = 65, 66  # byte-level tokenizer of the random-tiny model: token id = byte value
 
 
-@pytest.fixture
-async def sdk(gateway):
-    key = (await create_tenant(gateway))["api_key"]
-    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
-    yield client
-    await client.close()
-
-
 def messages() -> list[dict]:
     return [{"role": "system", "content": unique_system_prompt(20)}, {"role": "user", "content": "hi"}]
 

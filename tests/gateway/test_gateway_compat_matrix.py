@@ -14,7 +14,6 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.parameters import CHAT, COMPLETIONS, PARAMETERS, Parameter
-from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_e2e import MODEL
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -139,14 +138,6 @@ async def _send(client: AsyncOpenAI, endpoint: str, body: dict[str, Any]) -> Non
 
 
 CASES = [(p, endpoint) for p in PARAMETERS for endpoint in sorted(p.endpoints)]
-
-
-@pytest.fixture
-async def sdk(gateway):
-    key = (await create_tenant(gateway))["api_key"]
-    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
-    yield client
-    await client.close()
 
 
 async def test_each_row_through_the_openai_sdk(sdk):

@@ -7,7 +7,6 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from openai import AsyncOpenAI
 
 from gateway.errors import InvalidRequest
 from gateway.schemas import parse_chat
@@ -19,7 +18,6 @@ from gateway.tool_calls import (
     request_tools,
     template_tool_style,
 )
-from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
 
 WEATHER = {
@@ -88,14 +86,6 @@ def test_streamed_text_is_held_back_only_where_a_call_may_start():
     assert stream.feed('"arguments": {}}</tool_call>') == ""
     text, calls = stream.finish()
     assert text == "" and calls[0]["function"]["name"] == "noop"
-
-
-@pytest.fixture
-async def sdk(gateway):
-    key = (await create_tenant(gateway))["api_key"]
-    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
-    yield client
-    await client.close()
 
 
 def messages() -> list[dict]:

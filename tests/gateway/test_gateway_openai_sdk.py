@@ -4,16 +4,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
-
-
-@pytest.fixture
-async def sdk(gateway):
-    key = (await create_tenant(gateway))["api_key"]
-    client = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
-    yield client
-    await client.close()
 
 
 async def test_sdk_chat_non_stream_and_stream(sdk):

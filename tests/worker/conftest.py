@@ -1,8 +1,14 @@
+import shutil
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from policies.hashing import NamespaceSegment
+from tests.worker_process import free_port
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.sequence import SamplingParams
@@ -60,3 +66,23 @@ def make_engine() -> Iterator:
 
 def prompt_of(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729 + (i * i) % 13) % 251 for i in range(length)]
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen]]:
+    """A redis-server of this test's own (its port and process), which the test may stop, hang or kill."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    try:
+        yield port, server
+    finally:
+        server.send_signal(signal.SIGCONT)  # in case the test hung it
+        server.kill()
+        server.wait(timeout=10)

@@ -5,15 +5,11 @@ import contextlib
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 
-import pytest
-
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1, redis_url  # noqa: F401 - fixture
-from tests.worker_process import free_port
 from worker.config import parse_args
 
 
@@ -40,43 +36,30 @@ async def test_deleted_l3_directory_is_recreated_and_requests_keep_succeeding(ma
     assert usage["cached_tokens_by_source"].get("l3", 0) > 0
 
 
-async def test_hung_redis_adds_bounded_latency_and_requests_succeed(make_engine, tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
+async def test_hung_redis_adds_bounded_latency_and_requests_succeed(make_engine, private_redis):
+    port, server = private_redis
+    engine = make_engine(
+        num_blocks=24,
+        l2_bytes=4 * BLOCK_BYTES,
+        remote_url=f"redis://127.0.0.1:{port}/0",
+        remote_pause_s=30.0,
     )
-    try:
-        time.sleep(0.5)
-        engine = make_engine(
-            num_blocks=24,
-            l2_bytes=4 * BLOCK_BYTES,
-            remote_url=f"redis://127.0.0.1:{port}/0",
-            remote_pause_s=30.0,
-        )
-        await run(engine, "first", prompt_of(50, 80), segs=A)
-        await push_out_of_l1(engine, 3)
-        engine.store.wait_for_writes()
-        server.send_signal(signal.SIGSTOP)  # hung, not down: connections open, nothing answers
-        prompts = [prompt_of(60 + i, 80) for i in range(3)]
-        expected = [(await run(engine, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
-        started = time.monotonic()
-        got = [
-            (await asyncio.wait_for(run(engine, f"hung{i}", p, segs=A, params=greedy()), 30))[0]
-            for i, p in enumerate([prompt_of(50, 80), *prompts])
-        ]
-        elapsed_s = time.monotonic() - started
-        assert got[1:] == expected and len(got[0]) == 12
-        assert elapsed_s < 10  # one timeout (250 ms by default), then the tier is paused
-        remote = engine.stats()["tiers"]["remote"]
-        assert remote["errors_total"] >= 1 and remote["available"] == 0
-    finally:
-        server.send_signal(signal.SIGCONT)
-        server.kill()
-        server.wait(timeout=10)
+    await run(engine, "first", prompt_of(50, 80), segs=A)
+    await push_out_of_l1(engine, 3)
+    engine.store.wait_for_writes()
+    server.send_signal(signal.SIGSTOP)  # hung, not down: connections open, nothing answers
+    prompts = [prompt_of(60 + i, 80) for i in range(3)]
+    expected = [(await run(engine, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
+    started = time.monotonic()
+    got = [
+        (await asyncio.wait_for(run(engine, f"hung{i}", p, segs=A, params=greedy()), 30))[0]
+        for i, p in enumerate([prompt_of(50, 80), *prompts])
+    ]
+    elapsed_s = time.monotonic() - started
+    assert got[1:] == expected and len(got[0]) == 12
+    assert elapsed_s < 10  # one timeout (250 ms by default), then the tier is paused
+    remote = engine.stats()["tiers"]["remote"]
+    assert remote["errors_total"] >= 1 and remote["available"] == 0
 
 
 def test_tier_fault_settings_are_flags_and_environment(monkeypatch):

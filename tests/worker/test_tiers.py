@@ -2,13 +2,11 @@
 
 import os
 import shutil
-import subprocess
 import time
 
 import pytest
 
 from tests.worker.conftest import greedy, prompt_of, run, segments
-from tests.worker_process import free_port
 
 BLOCK_BYTES = 4096  # random-tiny: 2 layers x (k, v) x 16 tokens x 2 heads x 16 dims x 4 bytes
 A = segments(b"key-of-tenant-a!" * 2, "t-a")
@@ -180,40 +178,27 @@ async def test_redis_tier_is_shared_between_workers_and_keeps_namespaces_apart(m
     assert usage["cached_tokens_by_source"]["remote"] > 0
 
 
-async def test_redis_stopping_mid_run_only_causes_misses(make_engine, tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(0.5)
-        engine = make_engine(
-            num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=f"redis://127.0.0.1:{port}/0"
-        )
-        await run(engine, "first", prompt_of(50, 80), segs=A)
-        await push_out_of_l1(engine, 3)
-        engine.store.wait_for_writes()
-        server.terminate()
-        server.wait(timeout=10)
-        prompts = [prompt_of(60 + i, 80) for i in range(4)]
-        expected = [(await run(engine, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
-        got = []
-        for i, p in enumerate(prompts):
-            got.append((await run(engine, f"down{i}", p, segs=A, params=greedy()))[0])
-            await push_out_of_l1(engine, 2)
-        engine.store.wait_for_writes()
-        _, usage, _ = await run(engine, "first-again", prompt_of(50, 80), segs=A)
-        assert got == expected
-        assert engine.stats()["tiers"]["remote"]["errors_total"] >= 1
-        assert usage["completion_tokens"] == 12
-        _, failed = await engine.purge("t-a")  # a data deletion must say it could not reach Redis
-        assert "remote" in failed
-    finally:
-        server.kill()
+async def test_redis_stopping_mid_run_only_causes_misses(make_engine, private_redis):
+    port, server = private_redis
+    engine = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=f"redis://127.0.0.1:{port}/0")
+    await run(engine, "first", prompt_of(50, 80), segs=A)
+    await push_out_of_l1(engine, 3)
+    engine.store.wait_for_writes()
+    server.terminate()
+    server.wait(timeout=10)
+    prompts = [prompt_of(60 + i, 80) for i in range(4)]
+    expected = [(await run(engine, f"ref{i}", p, use_cache=False))[0] for i, p in enumerate(prompts)]
+    got = []
+    for i, p in enumerate(prompts):
+        got.append((await run(engine, f"down{i}", p, segs=A, params=greedy()))[0])
+        await push_out_of_l1(engine, 2)
+    engine.store.wait_for_writes()
+    _, usage, _ = await run(engine, "first-again", prompt_of(50, 80), segs=A)
+    assert got == expected
+    assert engine.stats()["tiers"]["remote"]["errors_total"] >= 1
+    assert usage["completion_tokens"] == 12
+    _, failed = await engine.purge("t-a")  # a data deletion must say it could not reach Redis
+    assert "remote" in failed
 
 
 def test_redis_quota_partition_protects_a_dedicated_namespace(redis_url):
