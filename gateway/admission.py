@@ -9,6 +9,13 @@ Two bounds, checked before any work is done for a request:
 Nothing waits in a queue here: excess load is refused fast so that a client backs off instead of
 piling up behind requests that would time out anyway. The rate limits per minute are
 ``gateway.ratelimit``'s.
+
+A request with ``n`` choices is ``n`` worker generations, so it counts as ``n`` requests against the
+tenant's concurrency and requests-per-minute limits (OpenAI and LiteLLM count it as one request; here one
+tenant could otherwise use ``n`` to run ``n`` times its concurrency on the shared workers). It enters as
+one request before its body is read (a tenant over its limits costs no parsing); ``admit_choices`` counts
+the other ``n - 1`` once ``n`` is known, or refuses the request and gives back what it counted. The
+replica-wide ``max_in_flight`` counts requests.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.errors import RateLimited, Unavailable
+from gateway.ratelimit import RateLimiter, requests_key
+from tenancy.policy import TenantPolicy
 
 
 @dataclass(slots=True)
 class AdmissionGate:
     max_in_flight: int  # all tenants together on this replica; 0: unbounded
-    in_flight: int = 0
-    tenant_to_in_flight: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0  # requests
+    tenant_to_in_flight: dict[str, int] = field(default_factory=dict)  # slots: a request holds one per choice
     num_refused: int = 0
 
     def enter(self, tenant_id: str, tenant_limit: int | None) -> None:
@@ -43,11 +52,69 @@ class AdmissionGate:
         self.in_flight += 1
         self.tenant_to_in_flight[tenant_id] = mine + 1
 
-    def leave(self, tenant_id: str) -> None:
-        """Count a request out (exactly once per successful ``enter``)."""
+    def widen(self, tenant_id: str, extra_slots: int, tenant_limit: int | None, *, num_choices: int) -> None:
+        """Count ``extra_slots`` more for a request already in (its choices beyond the first), or raise
+        ``RateLimited`` and count nothing more."""
+        mine = self.tenant_to_in_flight.get(tenant_id, 0)  # this request's first slot included
+        if tenant_limit and mine + extra_slots > tenant_limit:
+            self.num_refused += 1
+            raise RateLimited(
+                f"limit of {tenant_limit} concurrent requests reached: n={num_choices} choices count as "
+                f"{num_choices} requests and {mine - 1} are in flight; retry when some finish",
+                code="concurrency_limit_exceeded",
+            )
+        self.tenant_to_in_flight[tenant_id] = mine + extra_slots
+
+    def leave(self, tenant_id: str, slots: int = 1) -> None:
+        """Count a request out (exactly once per successful ``enter``, with every slot it holds)."""
         self.in_flight -= 1
-        left = self.tenant_to_in_flight.get(tenant_id, 1) - 1
-        if left:
+        left = self.tenant_to_in_flight.get(tenant_id, slots) - slots
+        if left > 0:
             self.tenant_to_in_flight[tenant_id] = left
         else:
             self.tenant_to_in_flight.pop(tenant_id, None)
+
+
+async def admit_choices(
+    gate: AdmissionGate, limiter: RateLimiter, tenant: TenantPolicy, num_choices: int, rate_headers: dict
+) -> int:
+    """Count a request's ``num_choices - 1`` choices beyond the first against the tenant's requests per
+    minute and concurrent requests; returns the admission slots it holds from now on (``num_choices``).
+
+    Raises ``RateLimited`` (429) when they do not fit (``n_exceeds_limit`` when ``n`` alone is over a
+    limit: it never will) after giving back the request's first unit of requests per minute, so that a
+    refused request counts nothing; it then still holds its one slot. ``rate_headers`` (the request's
+    ``x-ratelimit-*``) are updated.
+    """
+    extra = num_choices - 1
+    if extra == 0:
+        return 1
+    rpm_key, rpm = requests_key(tenant.tenant_id), tenant.rate_limit_rpm
+
+    async def refuse(error: RateLimited, counted: int) -> RateLimited:
+        if rpm:
+            await limiter.refund(rpm_key, counted)
+        error.headers = {**rate_headers, **error.headers}
+        return error
+
+    for limit, what in (
+        (rpm, "requests per minute"),
+        (tenant.max_concurrent_requests, "concurrent requests"),
+    ):
+        if limit and num_choices > limit:
+            message = (
+                f"n={num_choices} choices count as {num_choices} requests and the limit of {limit} {what} "
+                "can never fit them; lower n"
+            )
+            raise await refuse(RateLimited(message, param="n", code="n_exceeds_limit"), 1)
+    decision = await limiter.check(rpm_key, rpm, extra)
+    rate_headers.update(decision.headers("requests"))
+    if not decision.allowed:
+        message = f"rate limit of {rpm} requests per minute reached: n={num_choices} choices count as "
+        error = RateLimited(f"{message}{num_choices} requests", retry_after_s=decision.retry_after_s)
+        raise await refuse(error, 1)
+    try:
+        gate.widen(tenant.tenant_id, extra, tenant.max_concurrent_requests, num_choices=num_choices)
+    except RateLimited as error:
+        raise await refuse(error, num_choices) from None
+    return num_choices

@@ -44,6 +44,7 @@ class TenantCall:
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
     started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
+    admission_slots: int = 0  # held in gateway.admission: 1 once in, n once its n choices are counted
 
 
 def tenant_prices(tenant: TenantPolicy, config: GatewayConfig) -> Prices:

@@ -12,12 +12,14 @@ from typing import Any
 from aiohttp import web
 
 from gateway import choices, openai_format
+from gateway.admission import admit_choices
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
 from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
+from gateway.ratelimit import requests_key
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
 from gateway.state import (
@@ -89,10 +91,9 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         started_s=started,
     )
     gate = request.config_dict[ADMISSION]
-    entered = False
     try:
         gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)  # 503/429 at once when full
-        entered = True
+        call.admission_slots = 1
         call.rate_headers = await check_rate_limit(request, tenant)
         yield call
     except APIError as exc:
@@ -108,8 +109,8 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.outcome = call.outcome or OUTCOME_SERVER_ERROR
         raise
     finally:
-        if entered:
-            gate.leave(tenant.tenant_id)
+        if call.admission_slots:
+            gate.leave(tenant.tenant_id, call.admission_slots)
         _record(request, call, time.perf_counter() - started)
 
 
@@ -126,8 +127,10 @@ def _cut(request: web.Request, call: TenantCall) -> None:
 
 
 async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[str, str]:
-    """Count one request against the tenant's requests per minute; its x-ratelimit-* headers."""
-    decision = await request.config_dict[RATE_LIMITER].check(f"r:{tenant.tenant_id}", tenant.rate_limit_rpm)
+    """Count one request against the tenant's requests per minute (its other n - 1 choices are counted
+    by ``admit_choices`` once the body is read); its x-ratelimit-* headers."""
+    limiter = request.config_dict[RATE_LIMITER]
+    decision = await limiter.check(requests_key(tenant.tenant_id), tenant.rate_limit_rpm)
     headers = decision.headers("requests")
     if not decision.allowed:
         raise RateLimited(
@@ -207,6 +210,13 @@ async def _serve(
     pipeline = request.config_dict[PIPELINE]
     call.model, call.end_user = parsed.model, parsed.user
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
+    call.admission_slots = await admit_choices(  # n choices count n requests (gateway/admission.py)
+        request.config_dict[ADMISSION],
+        request.config_dict[RATE_LIMITER],
+        call.tenant,
+        parsed.sampling.n,
+        call.rate_headers,
+    )
     parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
     if isinstance(parsed, ChatRequest):
         formatter = functools.partial(openai_format.chat_completion, tools=tools)

@@ -48,7 +48,11 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p("top_k", BOTH, "yes (extension, as vLLM)"),
     _p("seed", BOTH, "yes: same seed, same tokens"),
     _p("stop", BOTH, "up to 4 strings"),
-    _p("n", BOTH, "1 to 8 (each choice is a separate generation sharing the cached prefix)"),
+    _p(
+        "n",
+        BOTH,
+        "1 to 8 (each choice is a separate generation sharing the cached prefix; counts `n` requests)",
+    ),
     _p("stream", BOTH, "yes (server-sent events)"),
     _p("stream_options", BOTH, "`include_usage`"),
     _p("presence_penalty", BOTH, "-2 to 2 (over the generated tokens)"),

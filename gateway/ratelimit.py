@@ -6,7 +6,9 @@ through Redis (``INCRBY`` + ``EXPIRE`` in one round trip, only for tenants that 
 Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an error (like the
 hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per request.
 
-Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report.
+Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report. ``refund``
+gives back units counted for a request that was refused later (a request with ``n`` choices counts one
+request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class RateLimiter(Protocol):
         """Count ``cost`` units for ``key`` if they fit in the limit (None or 0: unlimited)."""
         ...
 
+    async def refund(self, key: str, cost: int) -> None:
+        """Give back ``cost`` units counted by an allowed ``check`` of ``key`` (never below zero)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -90,6 +96,17 @@ class LocalRateLimiter:
 
     def allow_at(self, key: str, limit_per_window: int | None, now: float) -> bool:
         return self.check_at(key, limit_per_window, 1, now).allowed
+
+    async def refund(self, key: str, cost: int) -> None:
+        """Take ``cost`` units off the newest hits of ``key`` (the refunded request's are among them)."""
+        hits = self._hits.get(key)
+        while hits and cost > 0:
+            at, units = hits.pop()
+            taken = min(units, cost)
+            cost -= taken
+            self._used[key] -= taken
+            if units > taken:
+                hits.append((at, units - taken))
 
     async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
         return self.check_at(key, limit_per_window, cost, time.monotonic())
@@ -144,8 +161,34 @@ class RedisRateLimiter:
         remaining = max(0, limit_per_window - count) if allowed else 0
         return RateDecision(allowed=allowed, limit=limit_per_window, remaining=remaining, reset_s=reset_s)
 
+    async def refund(self, key: str, cost: int) -> None:
+        if self.paused:
+            await self._fallback.refund(key, cost)
+            return
+        redis_key = f"{self._prefix}:{key}:{int(time.time() // WINDOW_S)}"
+        try:
+            # Never below zero: a check counted in the window before this one has nothing here to give back.
+            await self._redis.eval(_REFUND_LUA, 1, redis_key, cost)
+        except Exception as exc:  # an over-count for the rest of this window, never an error for the client
+            self.num_errors += 1
+            log.warning("rate limiter: Redis unavailable, refund of %d for %s lost: %s", cost, key, exc)
+            self._paused_until = time.monotonic() + self._pause_s
+
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+_REFUND_LUA = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local cost = tonumber(ARGV[1])
+if used >= cost then return redis.call('DECRBY', KEYS[1], cost) end
+return used
+"""
+
+
+def requests_key(tenant_id: str) -> str:
+    """The limiter key of a tenant's requests per minute."""
+    return f"r:{tenant_id}"
 
 
 def format_reset(reset_s: float) -> str:
