@@ -1,10 +1,12 @@
 """``python -m worker.export_hf OUT [--model builtin]``: write a model as a Hugging Face checkpoint.
 
 The directory holds what ``AutoModelForCausalLM`` and ``AutoTokenizer`` read offline: ``config.json``
-(``LlamaForCausalLM``), ``generation_config.json`` (greedy by default, our EOS ids), ``model.safetensors``
-and the tokenizer files with the chat template. Third-party servers (``transformers serve``) then serve the
-same weights, tokenizer and template as our worker, so their greedy outputs can be compared token for token
-(tests/worker/test_export_hf.py). Nothing is downloaded; the weights come from the package.
+(``LlamaForCausalLM``), ``generation_config.json`` (our EOS ids; greedy unless ``--do-sample``, since
+``transformers serve`` samples only when the model's generation config says so, whatever the request's
+temperature), ``model.safetensors`` and the tokenizer files with the chat template. Third-party servers
+(``transformers serve``) then serve the same weights, tokenizer and template as our worker, so their
+greedy outputs can be compared token for token (tests/worker/test_export_hf.py). Nothing is downloaded;
+the weights come from the package.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 from worker.model.loader import load_model, save_hf_dir
 
 
-def export_hf(out: Path, *, model: str = "builtin", dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_hf(
+    out: Path, *, model: str = "builtin", dtype: torch.dtype = torch.bfloat16, do_sample: bool = False
+) -> Path:
     """Write ``model`` (``builtin``, ``random-<preset>`` or a checkpoint directory) to ``out``; returns it.
 
     The weights are stored in ``dtype``; the built-in model is trained and shipped in bf16, so the default
@@ -30,7 +34,7 @@ def export_hf(out: Path, *, model: str = "builtin", dtype: torch.dtype = torch.b
     generation = {
         "bos_token_id": bos,
         "eos_token_id": sorted(loaded.tokenizer.eos_token_ids),
-        "do_sample": False,
+        "do_sample": do_sample,
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return out
@@ -41,8 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path, help="directory to write (created if missing)")
     parser.add_argument("--model", default="builtin", help="builtin, random-<preset> or a checkpoint dir")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--do-sample", action="store_true", help="sample (temperature > 0) instead of always greedy"
+    )
     args = parser.parse_args(argv)
-    out = export_hf(args.out, model=args.model, dtype=getattr(torch, args.dtype))
+    out = export_hf(args.out, model=args.model, dtype=getattr(torch, args.dtype), do_sample=args.do_sample)
     print(out)
 
 

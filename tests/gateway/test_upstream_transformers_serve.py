@@ -1,9 +1,13 @@
 """The local third-party OpenAI server (tests/upstreams.py) answers the real openai SDK:
 ``transformers serve`` on the built-in model exported as a Hugging Face checkpoint, offline, greedy."""
 
+import time
+
 import pytest
 import torch
 from openai import AsyncOpenAI
+
+from tests.upstreams import serving_missing, transformers_serve
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,3 +65,16 @@ async def test_chat_streamed(third_party, transformers_server, expected_text):
     assert len([d for d in deltas if d]) > 1  # really streamed, token by token
     assert "".join(deltas) == expected_text
     assert finish in ("stop", "length")
+
+
+def test_a_server_that_cannot_start_fails_fast_with_its_log(tmp_path):
+    """No hang: a bad checkpoint ends the wait as soon as the process exits, with its log's tail."""
+    if reason := serving_missing():
+        pytest.skip(reason)
+    started = time.monotonic()
+    with (
+        pytest.raises(RuntimeError, match="transformers serve exited"),
+        transformers_serve(tmp_path / "missing", log_path=tmp_path / "serve.log", timeout_s=60),
+    ):
+        pass
+    assert time.monotonic() - started < 60
