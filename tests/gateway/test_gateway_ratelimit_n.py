@@ -42,15 +42,15 @@ async def chat(sdk: AsyncOpenAI, n: int, **extra):
     )
 
 
-def in_one_window() -> None:
+async def in_one_window() -> None:
     """Keep a few requests inside one fixed Redis window (the local limiter's is sliding)."""
     if time.time() % WINDOW_S > WINDOW_S - 3:
-        time.sleep(WINDOW_S - time.time() % WINDOW_S)
+        await asyncio.sleep(WINDOW_S - time.time() % WINDOW_S)
 
 
 async def test_n_counts_n_requests_per_minute(limited_gateway):
     sdk = await tenant_sdk(limited_gateway, rate_limit_rpm=5)
-    in_one_window()
+    await in_one_window()
     raw = await chat(sdk, n=3)
     assert len(raw.parse().choices) == 3
     assert raw.headers["x-ratelimit-limit-requests"] == "5"
@@ -72,7 +72,7 @@ async def test_n_counts_n_requests_per_minute(limited_gateway):
 
 async def test_streamed_n_counts_n_requests_per_minute(limited_gateway):
     sdk = await tenant_sdk(limited_gateway, rate_limit_rpm=4)
-    in_one_window()
+    await in_one_window()
     raw = await chat(sdk, n=4, stream=True)
     assert raw.headers["x-ratelimit-remaining-requests"] == "0"
     indexes = {choice.index async for chunk in raw.parse() for choice in chunk.choices}
@@ -84,7 +84,7 @@ async def test_streamed_n_counts_n_requests_per_minute(limited_gateway):
 
 async def test_n_larger_than_the_limit_can_never_fit(limited_gateway):
     sdk = await tenant_sdk(limited_gateway, rate_limit_rpm=2)
-    in_one_window()
+    await in_one_window()
     with pytest.raises(openai.RateLimitError) as refused:
         await chat(sdk, n=3)
     error = refused.value.body
