@@ -329,3 +329,44 @@ async def test_client_gone_mid_stream_is_recorded_once(front):
     await asyncio.sleep(0.5)
     rows = await wait_records(front.client, 2, timeout_s=0.5)
     assert [(r.outcome, r.status) for r in rows] == [("client_cancelled", 499)]
+
+
+async def test_canonicalization_reaches_the_upstreams_cache(front):
+    """A tenant with canonicalization on: the timestamp leaves the prefix before it goes upstream, so
+    the upstream's cache serves the second request's head although the clients' prompts differ."""
+    key = (await create_tenant(front.client, name="canon", canonicalization="on"))["api_key"]
+    rules = " ".join(f"Rule {i}: answer politely and check the order number twice." for i in range(20))
+    template = "You are the assistant of Example Corp. Current time: {now}. " + rules
+    replies = []
+    for now in ("2026-11-29T14:03:22Z", "2026-11-29T14:05:47Z"):
+        body = {"model": PUBLIC_MODEL, "messages": messages(template.format(now=now)), "max_tokens": 2}
+        response = await front.client.post("/v1/chat/completions", json=body, headers=auth(key))
+        assert response.status == 200, await response.text()
+        assert response.headers["x-prefixgate-canonicalized"] == "1"
+        replies.append(await response.json())
+    forwarded = front.recorder.bodies()
+    assert "14:0" not in forwarded[0]["messages"][0]["content"]  # moved out of the system prompt
+    assert forwarded[0]["messages"][0] == forwarded[1]["messages"][0]
+    second = replies[1]["usage"]
+    assert second["prompt_tokens_details"]["cached_tokens"] >= second["prompt_tokens"] - 64
+
+
+async def test_tenant_limits_hold_before_the_upstream_is_asked(front):
+    capped = await create_tenant(front.client, name="capped", max_tokens_limit=3)
+    sdk = front.sdk(capped["api_key"])
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model=PUBLIC_MODEL, messages=messages("x"), max_tokens=10)
+    assert caught.value.body["param"] == "max_tokens"
+    reply = await sdk.chat.completions.create(
+        model=PUBLIC_MODEL, messages=messages("x"), extra_body={"ignore_eos": True}
+    )
+    await sdk.close()
+    assert reply.usage.completion_tokens == 3
+    assert front.recorder.bodies()[-1]["max_tokens"] == 3  # the tenant's cap, sent upstream
+    tight = await create_tenant(front.client, name="tight", rate_limit_tpm=50)
+    sdk = front.sdk(tight["api_key"])
+    with pytest.raises(openai.RateLimitError) as caught:
+        await sdk.chat.completions.create(model=PUBLIC_MODEL, messages=messages("y" * 400), max_tokens=2)
+    await sdk.close()
+    assert caught.value.body["code"] == "tokens_exceeded"
+    assert len(front.recorder.bodies()) == 1  # neither refusal reached the upstream
