@@ -370,3 +370,33 @@ async def test_tenant_limits_hold_before_the_upstream_is_asked(front):
     await sdk.close()
     assert caught.value.body["code"] == "tokens_exceeded"
     assert len(front.recorder.bodies()) == 1  # neither refusal reached the upstream
+
+
+async def test_same_prompt_head_goes_to_the_same_url(
+    aiohttp_client, aiohttp_server, gateway, sqlite_template, tmp_path
+):
+    """Two URLs of one upstream (two proxies to the same server): a tenant's prompts with the same head
+    land on one URL (its cached prefix is there); different heads spread over both."""
+    recorders = [Recorder(), Recorder()]
+    target = str(gateway.make_url("")).rstrip("/")
+    proxies = [await aiohttp_server(recording_proxy(target, recorder)) for recorder in recorders]
+    key = (await create_tenant(gateway, name="front-gateway"))["api_key"]
+    urls = [str(proxy.make_url("/v1")) for proxy in proxies]
+    client = await aiohttp_client(front_app(sqlite_template, tmp_path / "front", *urls, api_key=key))
+    sdk = AsyncOpenAI(
+        base_url=str(client.make_url("/v1")),
+        api_key=(await create_tenant(client, name="acme"))["api_key"],
+        max_retries=0,
+    )
+    system = unique_system_prompt()
+    for question in ("first question", "second question", "third question"):
+        await sdk.chat.completions.create(
+            model=PUBLIC_MODEL, messages=messages(system, question), max_tokens=1
+        )
+    assert sorted(len(r.bodies()) for r in recorders) == [0, 3]
+    for _ in range(20):  # all on one URL by chance: 2^-19
+        await sdk.chat.completions.create(
+            model=PUBLIC_MODEL, messages=messages(unique_system_prompt()), max_tokens=1
+        )
+    await sdk.close()
+    assert all(len(r.bodies()) >= 1 for r in recorders)
