@@ -216,7 +216,9 @@ async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     session = None
     if config.openai_upstreams:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        # Idle connections are dropped before uvicorn's default 5 s keep-alive closes them on the other
+        # side: a request sent on a connection the server is closing fails as "disconnected" (502).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
         session = aiohttp.ClientSession(connector=connector)
     app[UPSTREAMS] = UpstreamRegistry(config.openai_upstreams, session)
     yield
