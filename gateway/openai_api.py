@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway import choices, openai_format, upstream_serve
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
-from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -341,6 +341,11 @@ async def prompt_lint(request: web.Request) -> web.Response:
     headers = await check_rate_limit(request, tenant)
     parsed = parse_chat(await read_json(await request.read()))
     pipeline = request.config_dict[PIPELINE]
+    if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
+        message = (
+            f"prompt lint needs the model's tokenizer: '{parsed.model}' is served by an external upstream"
+        )
+        raise InvalidRequest(message, param="model", code="unsupported_model")
     model = pipeline.resolve_model(parsed.model)
     pipeline.check_prompt_size(parsed, model, context_window=False)
     body = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)

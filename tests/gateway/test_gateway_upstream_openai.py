@@ -239,6 +239,9 @@ async def test_models_lists_the_upstream_models(front):
     with pytest.raises(openai.NotFoundError):
         await sdk.chat.completions.create(model="nope", messages=messages("x"), max_tokens=2)
     await sdk.close()
+    body = {"model": PUBLIC_MODEL, "messages": messages("x")}
+    lint = await front.client.post("/v1/prompt-lint", json=body, headers=auth(tenant["api_key"]))
+    assert lint.status == 400 and (await lint.json())["error"]["code"] == "unsupported_model"
 
 
 async def test_upstream_4xx_keeps_its_message(front):
