@@ -403,3 +403,32 @@ async def test_same_prompt_head_goes_to_the_same_url(
         )
     await sdk.close()
     assert all(len(r.bodies()) >= 1 for r in recorders)
+
+
+async def test_openai_flavour_sends_a_per_tenant_prompt_cache_key(
+    aiohttp_client, aiohttp_server, gateway, sqlite_template, tmp_path
+):
+    recorder = Recorder()
+    proxy = await aiohttp_server(recording_proxy(str(gateway.make_url("")).rstrip("/"), recorder))
+    key = (await create_tenant(gateway, name="front-gateway"))["api_key"]
+    url = str(proxy.make_url("/v1"))
+    client = await aiohttp_client(
+        front_app(sqlite_template, tmp_path / "f", url, flavour="openai", api_key=key)
+    )
+    for name in ("alpha", "beta"):
+        tenant_key = (await create_tenant(client, name=name))["api_key"]
+        sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=tenant_key, max_retries=0)
+        for cache_key in ("conversation-1", "conversation-1", None):
+            extra = {"prompt_cache_key": cache_key} if cache_key else {}
+            await sdk.chat.completions.create(
+                model=PUBLIC_MODEL,
+                messages=messages("x"),
+                max_tokens=1,
+                extra_body={**extra, "cache_salt": "client-salt"},
+            )
+        await sdk.close()
+    sent = [body["prompt_cache_key"] for body in recorder.bodies()]
+    assert all("cache_salt" not in body for body in recorder.bodies())
+    assert sent[0] == sent[1] != sent[2]  # the client's key splits its own namespace
+    assert sent[3] == sent[4] and set(sent[:3]).isdisjoint(sent[3:])  # never another tenant's value
+    assert "conversation-1" not in sent
