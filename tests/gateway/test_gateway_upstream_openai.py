@@ -35,7 +35,7 @@ PUBLIC_MODEL = "up-tiny"  # the front gateway's name for the upstream's random-t
 
 @dataclass
 class Recorder:
-    """Requests that reached the upstream through the proxy: (path, headers, JSON body)."""
+    """Requests that reached the upstream through the proxy: (path, lower-cased headers, JSON body)."""
 
     seen: list[tuple[str, dict[str, str], dict[str, Any]]] = field(default_factory=list)
 
@@ -54,7 +54,8 @@ def recording_proxy(target: str, recorder: Recorder) -> web.Application:
 
     async def forward(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        recorder.seen.append((request.path, dict(request.headers), orjson.loads(raw) if raw else {}))
+        seen_headers = {key.lower(): value for key, value in request.headers.items()}
+        recorder.seen.append((request.path, seen_headers, orjson.loads(raw) if raw else {}))
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         async with request.app[SESSION].request(
             request.method, target + request.path_qs, data=raw, headers=headers
@@ -134,9 +135,14 @@ async def test_chat_is_served_and_billed_from_the_upstreams_cached_tokens(front)
         model=PUBLIC_MODEL, messages=messages(system), max_tokens=4, temperature=0
     )
     second = await sdk.chat.completions.create(
-        model=PUBLIC_MODEL, messages=messages(system), max_tokens=4, temperature=0
+        model=PUBLIC_MODEL,
+        messages=messages(system),
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"x-request-id": "support-ticket-42"},
     )
     await sdk.close()
+    assert front.recorder.seen[-1][1]["x-request-id"] == "support-ticket-42"  # one id end to end
     assert first.model == PUBLIC_MODEL and first.id.startswith("chatcmpl-")
     assert first.choices[0].message.role == "assistant"
     assert first.usage.prompt_tokens > 64 and first.usage.prompt_tokens_details.cached_tokens == 0
