@@ -55,9 +55,11 @@ from gateway.state import (
     REPOSITORY,
     SESSIONMAKER,
     UNKNOWN_FIELDS,
+    UPSTREAMS,
     USAGE_WRITER,
     WORKER_POOL,
 )
+from gateway.upstream_openai import UpstreamRegistry
 from gateway.workers import WorkerPool
 from policies.isolation import tenant_namespace_id
 from policies.promotion import InMemoryPromotionCounter, PromotionCounter, PromotionPolicy
@@ -209,6 +211,21 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
+async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
+    """External OpenAI-compatible upstreams, on their own session: it carries no worker secret."""
+    config = app[CONFIG]
+    session = None
+    if config.openai_upstreams:
+        # Idle connections are dropped before uvicorn's default 5 s keep-alive closes them on the other
+        # side: a request sent on a connection the server is closing fails as "disconnected" (502).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+        session = aiohttp.ClientSession(connector=connector)
+    app[UPSTREAMS] = UpstreamRegistry(config.openai_upstreams, session)
+    yield
+    if session is not None:
+        await session.close()
+
+
 async def metrics_handler(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     given = bearer_token(request)
@@ -265,7 +282,15 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[DRAIN] = Drain(grace_s=config.shutdown_grace_s)
     app.on_shutdown.append(on_shutdown(app[DRAIN]))
     app.cleanup_ctx.extend(
-        [rate_limit_ctx, database_ctx, namespace_secret_ctx, usage_ctx, promotion_ctx, workers_ctx]
+        [
+            rate_limit_ctx,
+            database_ctx,
+            namespace_secret_ctx,
+            usage_ctx,
+            promotion_ctx,
+            workers_ctx,
+            upstreams_ctx,
+        ]
     )
     openai_api.add_routes(app)
     app.router.add_get("/metrics", metrics_handler)

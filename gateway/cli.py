@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="worker base URL (repeatable; default $PREFIXGATE_WORKER_URLS)",
     )
+    gw.add_argument(
+        "--openai-upstream",
+        action="append",
+        dest="openai_upstreams",
+        default=None,
+        metavar="JSON",
+        help='external OpenAI-compatible upstream, e.g. \'{"url": "http://vllm:8000/v1", "models": ["m"], '
+        '"flavour": "vllm"}\' (repeatable; default $PREFIXGATE_OPENAI_UPSTREAMS; docs/upstreams.md)',
+    )
     gw.add_argument("--database-url", default=None)
 
     sub.add_parser("worker", help="run the bundled worker (python -m worker …)", add_help=False)
@@ -271,6 +280,7 @@ def _server_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "port": args.port,
         "data_dir": args.data_dir,
         "worker_urls": getattr(args, "worker_urls", None),
+        "openai_upstreams": getattr(args, "openai_upstreams", None),
         "database_url": getattr(args, "database_url", None),
     }
 

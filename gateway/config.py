@@ -3,11 +3,17 @@
 ``load_config`` only reads; ``prepare_data_dir`` creates the data dir and generates (and stores, mode
 0600) the admin token when none is given. The namespace secret is the deployment's, from the database
 (``gateway.namespace_secret``), unless ``namespace_salt`` is configured.
+
+Upstreams: ``worker_urls`` are bundled workers (``worker/``); ``openai_upstreams`` are external
+OpenAI-compatible servers (vLLM, SGLang, llama.cpp, Ollama, OpenAI), each an ``OpenAIUpstreamConfig``
+given as a TOML array of tables, or as JSON in ``PREFIXGATE_OPENAI_UPSTREAMS`` / ``--openai-upstream``
+(docs/upstreams.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import tomllib
@@ -18,6 +24,91 @@ from typing import Any
 
 ENV_PREFIX = "PREFIXGATE_"
 
+# How a tenant's server-derived namespace reaches an external upstream (gateway.upstream_openai.FLAVOURS).
+UPSTREAM_FLAVOURS = ("vllm", "sglang", "openai", "none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpenAIUpstreamConfig:
+    """One external OpenAI-compatible upstream: one or more replicas serving the same models."""
+
+    name: str  # for logs, metrics and error messages (never the URL's credentials)
+    urls: tuple[str, ...]  # base URLs as an OpenAI SDK's base_url, e.g. http://vllm:8000/v1
+    models: tuple[tuple[str, str], ...]  # (model id tenants use, the upstream's model name)
+    flavour: str = "none"  # vllm/sglang: cache_salt; openai: prompt_cache_key; none: no isolation field
+    api_key: str | None = field(default=None, repr=False)  # sent as the bearer; never logged
+    timeout_s: float = 600.0  # a whole request (streams included)
+    connect_timeout_s: float = 5.0
+    down_s: float = 5.0  # a URL that refused a connection is skipped this long
+
+    def upstream_model(self, model_id: str) -> str | None:
+        return dict(self.models).get(model_id)
+
+
+_UPSTREAM_KEYS = {"name", "url", "urls", "models", "flavour", "api_key", "api_key_env", "timeout_s"}
+_UPSTREAM_KEYS |= {"connect_timeout_s", "down_s"}
+
+
+def parse_upstream(raw: Mapping[str, Any], env: Mapping[str, str], index: int = 0) -> OpenAIUpstreamConfig:
+    """An upstream from its TOML table / JSON object. ``models`` is a list of names (served under the
+    same name) or a table ``{tenant-facing id = upstream name}``; ``api_key_env`` names an environment
+    variable holding the key (keeps it out of config files)."""
+    unknown = set(raw) - _UPSTREAM_KEYS
+    if unknown:
+        raise ValueError(f"unknown openai_upstreams key(s): {', '.join(sorted(unknown))}")
+    urls = raw.get("urls") or ([raw["url"]] if raw.get("url") else [])
+    if isinstance(urls, str):
+        urls = urls.split(",")
+    urls = tuple(str(url).strip().rstrip("/") for url in urls if str(url).strip())
+    if not urls:
+        raise ValueError("an openai upstream needs 'url' or 'urls'")
+    models = raw.get("models") or {}
+    pairs = models.items() if isinstance(models, Mapping) else ((str(m), str(m)) for m in models)
+    models = tuple((str(public), str(upstream)) for public, upstream in pairs)
+    if not models:
+        raise ValueError("an openai upstream needs 'models' (the model ids it serves)")
+    flavour = str(raw.get("flavour", "none"))
+    if flavour not in UPSTREAM_FLAVOURS:
+        raise ValueError(f"openai upstream flavour must be one of {UPSTREAM_FLAVOURS}, not {flavour!r}")
+    api_key = raw.get("api_key")
+    if raw.get("api_key_env"):
+        api_key = env.get(str(raw["api_key_env"])) or None
+    return OpenAIUpstreamConfig(
+        name=str(raw.get("name") or f"upstream-{index}"),
+        urls=urls,
+        models=models,
+        flavour=flavour,
+        api_key=None if api_key in (None, "") else str(api_key),
+        timeout_s=float(raw.get("timeout_s", 600.0)),
+        connect_timeout_s=float(raw.get("connect_timeout_s", 5.0)),
+        down_s=float(raw.get("down_s", 5.0)),
+    )
+
+
+def parse_upstreams(value: Any, env: Mapping[str, str] | None = None) -> tuple[OpenAIUpstreamConfig, ...]:
+    """``openai_upstreams`` from TOML (a list of tables) or JSON text (a list of objects, or one)."""
+    env = os.environ if env is None else env
+    items = value if isinstance(value, list | tuple) else [value]
+    raws: list[Any] = []
+    for item in items:
+        if isinstance(item, OpenAIUpstreamConfig):
+            raws.append(item)
+            continue
+        if isinstance(item, str):
+            if not item.strip():
+                continue
+            item = json.loads(item)
+        raws.extend(item if isinstance(item, list) else [item])
+    upstreams = tuple(
+        raw if isinstance(raw, OpenAIUpstreamConfig) else parse_upstream(raw, env, index)
+        for index, raw in enumerate(raws)
+    )
+    public = [model for upstream in upstreams for model, _ in upstream.models]
+    duplicated = sorted({model for model in public if public.count(model) > 1})
+    if duplicated:
+        raise ValueError(f"model id(s) served by more than one openai upstream: {', '.join(duplicated)}")
+    return upstreams
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GatewayConfig:
@@ -25,7 +116,8 @@ class GatewayConfig:
     port: int = 8080
     data_dir: Path = Path("data")
     database_url: str | None = None  # None: SQLite file in the data dir
-    worker_urls: tuple[str, ...] = ("http://127.0.0.1:8081",)
+    worker_urls: tuple[str, ...] = ("http://127.0.0.1:8081",)  # bundled workers ("" for none)
+    openai_upstreams: tuple[OpenAIUpstreamConfig, ...] = ()  # external OpenAI-compatible servers
     admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
     namespace_salt: str | None = field(default=None, repr=False)  # None: the database's (one per deployment)
     max_body_bytes: int = 4 * 1024 * 1024
@@ -85,8 +177,10 @@ class GatewayConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(GatewayConfig)}
 
 
-def _coerce(name: str, value: Any) -> Any:
+def _coerce(name: str, value: Any, env: Mapping[str, str] | None = None) -> Any:
     default = _FIELDS[name].default
+    if name == "openai_upstreams":
+        return parse_upstreams(value, env)
     if name == "worker_urls":
         items = value.split(",") if isinstance(value, str) else list(value)
         return tuple(item.strip().rstrip("/") for item in items if item.strip())
@@ -119,14 +213,14 @@ def load_config(
         unknown = set(data) - set(_FIELDS)
         if unknown:
             raise ValueError(f"unknown config key(s) in {path}: {', '.join(sorted(unknown))}")
-        values.update({name: _coerce(name, value) for name, value in data.items()})
+        values.update({name: _coerce(name, value, env) for name, value in data.items()})
     for name in _FIELDS:
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            values[name] = _coerce(name, raw)
+            values[name] = _coerce(name, raw, env)
     for name, value in (overrides or {}).items():
         if value is not None:
-            values[name] = _coerce(name, value)
+            values[name] = _coerce(name, value, env)
     return GatewayConfig(**values)
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import choices, openai_format
+from gateway import choices, openai_format, upstream_serve
 from gateway.admission import admit_choices
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
-from gateway.errors import APIError, AuthenticationError, RateLimited, Unavailable
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -33,6 +33,7 @@ from gateway.state import (
     POLICY_CACHE,
     RATE_LIMITER,
     UNKNOWN_FIELDS,
+    UPSTREAMS,
     USAGE_WRITER,
     WORKER_POOL,
 )
@@ -217,6 +218,11 @@ async def _serve(
         parsed.sampling.n,
         call.rate_headers,
     )
+    upstream = request.config_dict[UPSTREAMS].upstream_for(parsed.model)
+    if upstream is not None:  # an external OpenAI-compatible upstream (gateway.upstream_serve)
+        forwarded = await upstream_serve.prepare(request, call, parsed, upstream)
+        await check_token_limit(request, call, forwarded.num_limit_tokens)
+        return await upstream_serve.respond(request, call, forwarded)
     parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
     if isinstance(parsed, ChatRequest):
         formatter = functools.partial(openai_format.chat_completion, tools=tools)
@@ -345,6 +351,11 @@ async def prompt_lint(request: web.Request) -> web.Response:
     headers = await check_rate_limit(request, tenant)
     parsed = parse_chat(await read_json(await request.read()))
     pipeline = request.config_dict[PIPELINE]
+    if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
+        message = (
+            f"prompt lint needs the model's tokenizer: '{parsed.model}' is served by an external upstream"
+        )
+        raise InvalidRequest(message, param="model", code="unsupported_model")
     model = pipeline.resolve_model(parsed.model)
     pipeline.check_prompt_size(parsed, model, context_window=False)
     body = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
@@ -353,7 +364,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     return openai_format.json_response(body, headers=headers)
 
 
-def _model_json(model_id: str, max_model_len: int) -> dict[str, Any]:
+def _model_json(model_id: str, max_model_len: int | None) -> dict[str, Any]:
     return {
         "id": model_id,
         "object": "model",
@@ -367,25 +378,30 @@ async def list_models(request: web.Request) -> web.Response:
     authenticate(request)
     models = request.config_dict[WORKER_POOL].models
     data = [_model_json(model_id, group.runtime.max_model_len) for model_id, group in sorted(models.items())]
+    data += [_model_json(model_id, None) for model_id in request.config_dict[UPSTREAMS].model_ids]
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     authenticate(request)
-    model = request.config_dict[PIPELINE].resolve_model(request.match_info["model"])
+    model_id = request.match_info["model"]
+    if request.config_dict[UPSTREAMS].upstream_for(model_id) is not None:
+        return web.json_response(_model_json(model_id, None))  # the upstream knows its context window
+    model = request.config_dict[PIPELINE].resolve_model(model_id)
     return web.json_response(_model_json(model.model_id, model.max_model_len))
 
 
 async def healthz(request: web.Request) -> web.Response:
     pool, cache = request.config_dict[WORKER_POOL], request.config_dict[POLICY_CACHE]
     healthy = sum(state.healthy for state in pool.workers.values())
-    ready = healthy > 0 and cache.ready
+    external = request.config_dict[UPSTREAMS].model_ids  # not health-checked: their errors map to 5xx
+    ready = (healthy > 0 or bool(external)) and cache.ready
     body = {
         "status": "ok" if ready else "starting",
         "workers_healthy": healthy,
         "workers_total": len(pool.workers),
         "policies_loaded": cache.ready,
-        "models": sorted(pool.models),
+        "models": sorted([*pool.models, *external]),
     }
     return web.json_response(body, status=200 if ready else 503)
 

@@ -222,7 +222,7 @@ class RequestPipeline:
         model = self._pool.model(model_id)
         if model is not None:
             return model
-        if not self._pool.models:
+        if not self._pool.models and self._pool.workers:
             raise Unavailable("no worker is ready yet; retry shortly")
         raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
 

@@ -18,6 +18,7 @@ from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
 from gateway.promotion import HotPrefixPromotion
 from gateway.ratelimit import RateLimiter
+from gateway.upstream_openai import UpstreamRegistry
 from gateway.workers import WorkerPool
 from tenancy.cache import PolicyCache
 from tenancy.hot_prefixes import HotPrefixRepository
@@ -35,6 +36,7 @@ POLICY_CACHE = web.AppKey("policy_cache", PolicyCache)
 USAGE_WRITER = web.AppKey("usage_writer", UsageWriter)
 HTTP_SESSION = web.AppKey("http_session", aiohttp.ClientSession)
 WORKER_POOL = web.AppKey("worker_pool", WorkerPool)
+UPSTREAMS = web.AppKey("upstreams", UpstreamRegistry)  # external OpenAI-compatible upstreams
 PIPELINE = web.AppKey("pipeline", RequestPipeline)
 CANONICALIZER = web.AppKey("canonicalizer", CanonicalizationStep)
 HOT_PREFIXES = web.AppKey("hot_prefixes", HotPrefixRepository)

@@ -19,12 +19,15 @@ OUTCOME_CLIENT_CANCELLED = "client_cancelled"  # the client went away; billed wh
 OUTCOME_CLIENT_ERROR = "client_error"  # refused before any work (4xx): costs nothing
 OUTCOME_SERVER_ERROR = "server_error"  # a worker failed or crashed; billed what was sent
 OUTCOME_SHUTDOWN = "shutdown"  # the gateway stopped while it ran; billed what was sent
+# Delivered by an external upstream that reported no token counts: the tokens are unknown, billed 0.
+OUTCOME_USAGE_UNREPORTED = "usage_unreported"
 OUTCOMES = (
     OUTCOME_COMPLETED,
     OUTCOME_CLIENT_CANCELLED,
     OUTCOME_CLIENT_ERROR,
     OUTCOME_SERVER_ERROR,
     OUTCOME_SHUTDOWN,
+    OUTCOME_USAGE_UNREPORTED,
 )
 
 

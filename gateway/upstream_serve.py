@@ -1,0 +1,289 @@
+"""Serving a tenant request from an external OpenAI-compatible upstream (``gateway.upstream_openai``).
+
+    authenticate (tenant_call) → prompt-size check → canonicalize (chat) → tenant max_tokens limit
+        → namespace key → isolation field + affinity route → token limit (estimated) → forward
+        → answer / SSE relay with our id and model → usage from the upstream's ``usage``
+
+What the bundled path does with token ids (context window, promotion, KV index) needs the model's
+tokenizer, which an external upstream does not share: the upstream checks its own context window
+(its 400 is passed on) and counts the tokens (its ``usage``, with
+``prompt_tokens_details.cached_tokens``, is what is billed). When it reports no usage the record says
+``usage_unreported`` and bills nothing rather than an invented count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.billing import TenantCall
+from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
+from gateway.openai_format import ChunkWriter, json_response
+from gateway.parameters import CHAT, COMPLETIONS, known_names
+from gateway.schemas import ChatRequest, CompletionRequest, read_json
+from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
+from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
+from policies.chat_text import iter_texts
+from tenancy.usage_types import OUTCOME_SERVER_ERROR, OUTCOME_USAGE_UNREPORTED
+
+CANONICALIZED_HEADER = "x-prefixgate-canonicalized"
+# Not forwarded: they identify the tenant's end users to a third party and change nothing upstream.
+PRIVATE_FIELDS = ("user", "safety_identifier", "metadata")
+CHARS_PER_TOKEN_ESTIMATE = 4  # the token-per-minute limit's estimate of a prompt no tokenizer has seen
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ForwardedRequest:
+    """A request ready for its upstream: the body as sent and where it goes."""
+
+    request: ChatRequest | CompletionRequest  # after canonicalization
+    upstream: OpenAIUpstream
+    route: UpstreamRoute
+    path: str  # "/chat/completions" | "/completions"
+    body: dict[str, Any]
+    num_limit_tokens: int  # estimated prompt + n × max_tokens, for the token-per-minute limit
+    num_canonicalized: int = 0
+
+
+def _num_prompt_chars(request: ChatRequest | CompletionRequest) -> tuple[int, str]:
+    if isinstance(request, ChatRequest):
+        texts = sum(len(text) for _, _, text in iter_texts(request.messages))
+        return texts + (len(orjson.dumps(request.tools)) if request.tools else 0), "messages"
+    if isinstance(request.prompt, str):
+        return len(request.prompt), "prompt"
+    return len(request.prompt) * CHARS_PER_TOKEN_ESTIMATE, "prompt"  # token ids
+
+
+def _max_tokens(call: TenantCall, request: ChatRequest | CompletionRequest) -> int | None:
+    """The request's max_tokens, or the tenant's limit when it gives none (None: the upstream's default)."""
+    requested, limit = request.sampling.max_tokens, call.tenant.max_tokens_limit
+    if limit is not None and requested is not None and requested > limit:
+        raise InvalidRequest(
+            f"max_tokens {requested} exceeds this tenant's limit of {limit}",
+            param="max_tokens",
+            code="invalid_value",
+        )
+    return requested if requested is not None else limit
+
+
+def _prompt_head(request: ChatRequest | CompletionRequest, num_bytes: int) -> bytes:
+    """The canonical head of the prompt: what prefix affinity hashes (tools first, as rendered)."""
+    if isinstance(request, ChatRequest):
+        plain = {"tools": request.tools, "messages": request.messages}
+        return orjson.dumps(plain, option=orjson.OPT_SORT_KEYS)[:num_bytes]
+    if isinstance(request.prompt, str):
+        return request.prompt.encode()[:num_bytes]
+    return orjson.dumps(request.prompt[: num_bytes // 4])
+
+
+def _body(
+    raw: dict[str, Any],
+    request: ChatRequest | CompletionRequest,
+    route: UpstreamRoute,
+    isolation: dict[str, Any],
+    max_tokens: int | None,
+) -> dict[str, Any]:
+    """What the upstream gets: the known parameters as the client sent them (validated), the
+    canonicalized prompt, the upstream's model name and the server-derived isolation field. A
+    client's ``cache_salt``/``prompt_cache_key`` and unknown fields are never forwarded."""
+    chat = isinstance(request, ChatRequest)
+    names = known_names(CHAT if chat else COMPLETIONS)
+    body = {
+        key: value
+        for key, value in raw.items()
+        if key in names and key not in CLIENT_ISOLATION_FIELDS and key not in PRIVATE_FIELDS
+    }
+    body["model"] = route.model
+    if isinstance(request, ChatRequest):
+        body["messages"] = list(request.messages)
+        if request.tools:
+            body["tools"] = list(request.tools)
+    if max_tokens is not None and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = max_tokens
+    if request.stream:
+        options = {"include_usage": True}
+        if route.upstream.continuous_usage:  # usage on every chunk: a cut stream is billed exactly
+            options["continuous_usage_stats"] = True
+        body["stream_options"] = options
+    else:
+        body.pop("stream_options", None)
+    return {**body, **isolation}
+
+
+async def prepare(
+    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, upstream: OpenAIUpstream
+) -> ForwardedRequest:
+    """Checks, canonicalization, isolation and route of a request for ``upstream``."""
+    app = request.config_dict
+    config, pipeline = app[CONFIG], app[PIPELINE]
+    num_chars, param = _num_prompt_chars(parsed)
+    if config.max_prompt_chars and num_chars > config.max_prompt_chars:
+        raise PayloadTooLarge(
+            f"the prompt has {num_chars} characters; this gateway accepts at most {config.max_prompt_chars}",
+            param=param,
+        )
+    num_moved = 0
+    if isinstance(parsed, ChatRequest):
+        edit = await pipeline.run_cpu(app[CANONICALIZER].apply, call.tenant, parsed)
+        parsed, num_moved = edit.request, edit.num_moved
+        metrics, tenant = app[METRICS], app[METRICS].tenant_label(call.tenant.tenant_id)
+        if edit.num_moved:
+            metrics.canonicalization_fragments.labels(tenant, "moved").inc(edit.num_moved)
+        if edit.num_reported:
+            metrics.canonicalization_fragments.labels(tenant, "reported").inc(edit.num_reported)
+    max_tokens = _max_tokens(call, parsed)
+    namespace_key = pipeline.segments(call.tenant)[-1].key  # the tenant's, server-derived only
+    head = _prompt_head(parsed, config.affinity_blocks * 64)
+    route = app[UPSTREAMS].route(parsed.model, affinity_key(namespace_key, head, parsed.prompt_cache_key))
+    isolation = upstream.isolation_fields(namespace_key, parsed.prompt_cache_key)
+    raw = await read_json(await request.read())
+    num_prompt_estimate = -(-num_chars // CHARS_PER_TOKEN_ESTIMATE)
+    num_new = (max_tokens or config.default_max_tokens) * parsed.sampling.n
+    chat = isinstance(parsed, ChatRequest)
+    return ForwardedRequest(
+        request=parsed,
+        upstream=upstream,
+        route=route,
+        path="/chat/completions" if chat else "/completions",
+        body=_body(raw, parsed, route, isolation, max_tokens),
+        num_limit_tokens=num_prompt_estimate + num_new,
+        num_canonicalized=num_moved,
+    )
+
+
+def billing_usage(usage: Any) -> dict[str, Any] | None:
+    """The billing form of an upstream's OpenAI ``usage`` (None: it reported none we can read). A
+    missing ``cached_tokens`` is 0: no discount that the upstream did not report."""
+    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    completion = usage.get("completion_tokens")
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": completion if isinstance(completion, int) else 0,
+        "cached_tokens": cached if isinstance(cached, int) else 0,
+        "cached_tokens_reported": isinstance(cached, int),
+    }
+
+
+def client_usage(billed: dict[str, Any], forwarded: ForwardedRequest, call: TenantCall) -> dict[str, Any]:
+    """The usage a tenant sees: the upstream's counts, and where they came from."""
+    prompt, completion = billed["prompt_tokens"], billed["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": billed["cached_tokens"]},
+        "prefixgate": {
+            "upstream": forwarded.upstream.name,
+            "cached_tokens_reported": billed["cached_tokens_reported"],
+            "isolation": call.tenant.isolation,
+        },
+    }
+
+
+def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:
+    if forwarded.path != "/chat/completions":
+        return dict(call.rate_headers)
+    return {**call.rate_headers, CANONICALIZED_HEADER: str(forwarded.num_canonicalized)}
+
+
+async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> web.StreamResponse:
+    """Forward the request; the answer (or SSE stream) with our id and the tenant's model id."""
+    call.num_prompt_tokens = 0  # unknown until the upstream counts them
+    if forwarded.request.stream:
+        return await _stream(request, call, forwarded)
+    data = await forwarded.upstream.complete(forwarded.route, forwarded.path, forwarded.body, call.request_id)
+    billed = billing_usage(data.get("usage"))
+    call.usage = billed
+    if billed is None:
+        call.outcome = OUTCOME_USAGE_UNREPORTED
+    else:
+        data["usage"] = client_usage(billed, forwarded, call)
+    data.update(id=call.completion_id, model=forwarded.request.model)
+    return json_response(data, headers=_headers(call, forwarded))
+
+
+class _Relay:
+    """Rewrites an upstream stream's chunks and keeps what was delivered for the usage record."""
+
+    def __init__(self, call: TenantCall, forwarded: ForwardedRequest) -> None:
+        self._call, self._forwarded = call, forwarded
+        self.usage: dict[str, Any] | None = None  # the latest usage the upstream reported
+        self._base: dict[str, Any] = {}
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        """The SSE bytes to send for ``chunk`` (b"" for a usage-only chunk: sent at the end)."""
+        usage = billing_usage(chunk.pop("usage", None))
+        if usage is not None:
+            self.usage = usage
+        chunk.update(id=self._call.completion_id, model=self._forwarded.request.model)
+        self._base = {key: chunk[key] for key in ("id", "object", "created", "model") if key in chunk}
+        if not chunk.get("choices"):
+            return b""
+        if self._forwarded.request.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries it
+        return ChunkWriter.sse(chunk)
+
+    def sent(self) -> None:
+        """The last chunk reached the client: with per-chunk usage (vLLM, SGLang) its tokens count."""
+        if self.usage is not None:
+            self._call.prompt_usage = self.usage
+            self._call.delivered_tokens = self.usage["completion_tokens"]
+
+    def finish(self) -> bytes:
+        """The stream ended whole: record the usage; the usage chunk when the client asked for it."""
+        call = self._call
+        call.usage = self.usage
+        if self.usage is None:
+            call.outcome = OUTCOME_USAGE_UNREPORTED
+            return b""
+        if not self._forwarded.request.include_usage:
+            return b""
+        usage = client_usage(self.usage, self._forwarded, call)
+        return ChunkWriter.sse({**self._base, "choices": [], "usage": usage})
+
+
+async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> web.StreamResponse:
+    """Relay the upstream's SSE. Errors before the first chunk are HTTP errors; later ones an error
+    event (as OpenAI does). A client that goes away cancels the handler, which closes the upstream
+    connection (the upstream aborts) and records the call once (``tenant_call``)."""
+    relay = _Relay(call, forwarded)
+    upstream = forwarded.upstream
+    chunks = upstream.stream(forwarded.route, forwarded.path, forwarded.body, call.request_id)
+    async with contextlib.aclosing(chunks) as events:
+        chunk = await anext(events, None)
+        ttft = time.perf_counter() - call.started_s
+        request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **_headers(call, forwarded),
+            }
+        )
+        await response.prepare(request)
+        call.headers_sent = True
+        try:
+            while chunk is not None:
+                data = relay.chunk(chunk)
+                if data:
+                    await response.write(data)
+                relay.sent()
+                chunk = await anext(events, None)
+        except APIError as exc:
+            call.outcome = OUTCOME_SERVER_ERROR
+            await response.write(ChunkWriter.error(exc.to_json(call.request_id)))
+        else:
+            final = relay.finish()
+            if final:
+                await response.write(final)
+        await response.write(ChunkWriter.done())
+        await response.write_eof()
+    return response

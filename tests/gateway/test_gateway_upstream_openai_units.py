@@ -1,0 +1,196 @@
+"""The openai upstream's pure parts: configuration (TOML, env, CLI), isolation fields per flavour,
+rendezvous routing over an upstream's URLs, error mapping and the billing form of an upstream's usage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway import cli
+from gateway.config import OpenAIUpstreamConfig, load_config
+from gateway.errors import InvalidRequest, NotFoundError, Unavailable, UpstreamError
+from gateway.upstream_openai import FLAVOURS, affinity_key, map_upstream_error, rendezvous_order
+from gateway.upstream_serve import billing_usage
+
+VLLM = {"name": "vllm", "urls": ["http://a:8000/v1/", "http://b:8000/v1"], "models": {"llama": "meta/llama"}}
+
+
+def test_upstreams_from_toml_env_and_cli(tmp_path: Path):
+    config_file = tmp_path / "prefixgate.toml"
+    config_file.write_text(
+        "[gateway]\nworker_urls = []\n"
+        "[[gateway.openai_upstreams]]\n"
+        'name = "vllm"\nurls = ["http://a:8000/v1/", "http://b:8000/v1"]\nflavour = "vllm"\n'
+        'api_key_env = "VLLM_KEY"\n'
+        '[gateway.openai_upstreams.models]\nllama = "meta/llama"\n'
+    )
+    config = load_config(config_file=config_file, env={"VLLM_KEY": "sk-secret"})
+    (upstream,) = config.openai_upstreams
+    assert config.worker_urls == ()
+    assert upstream.urls == ("http://a:8000/v1", "http://b:8000/v1")
+    assert upstream.models == (("llama", "meta/llama"),) and upstream.upstream_model("llama") == "meta/llama"
+    assert upstream.flavour == "vllm" and upstream.api_key == "sk-secret"
+    assert "sk-secret" not in repr(config) and "sk-secret" not in repr(upstream)
+
+    env = {"PREFIXGATE_OPENAI_UPSTREAMS": json.dumps([{**VLLM, "flavour": "sglang", "api_key": "k"}])}
+    (from_env,) = load_config(env=env).openai_upstreams
+    assert from_env.flavour == "sglang" and from_env.api_key == "k" and from_env.urls[0] == "http://a:8000/v1"
+
+    args = cli.build_parser().parse_args(
+        [
+            "gateway",
+            "--openai-upstream",
+            '{"url": "http://o/v1", "models": ["gpt-4o-mini"], "flavour": "openai"}',
+        ]
+    )
+    (from_cli,) = load_config(env={}, overrides=cli._server_overrides(args)).openai_upstreams
+    assert from_cli.models == (("gpt-4o-mini", "gpt-4o-mini"),) and from_cli.flavour == "openai"
+    assert from_cli.name == "upstream-0" and from_cli.api_key is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({**VLLM, "flavor": "vllm"}, "unknown openai_upstreams key"),
+        ({**VLLM, "flavour": "tgi"}, "flavour must be one of"),
+        ({"models": ["m"]}, "needs 'url'"),
+        ({"url": "http://a/v1"}, "needs 'models'"),
+        ([VLLM, {**VLLM, "name": "other"}], "more than one openai upstream: llama"),
+    ],
+)
+def test_bad_upstream_config_is_an_error(raw, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(env={"PREFIXGATE_OPENAI_UPSTREAMS": json.dumps(raw)})
+
+
+def test_isolation_fields_per_flavour_are_per_tenant_and_never_the_clients():
+    alpha, beta = b"\x01" * 32, b"\x02" * 32
+    for flavour in ("vllm", "sglang"):
+        salt = FLAVOURS[flavour]
+        assert salt("up", alpha, None) == salt("up", alpha, "client-key")  # the client's key plays no part
+        assert salt("up", alpha, None) != salt("up", beta, None)
+        assert salt("up", alpha, None) != salt("other-upstream", alpha, None)  # unlinkable across upstreams
+        assert alpha.hex() not in salt("up", alpha, None)["cache_salt"]  # the namespace key is not sent
+    key = FLAVOURS["openai"]
+    # The client's prompt_cache_key only splits its own tenant's namespace: the same key from two
+    # tenants gives two different values, and no client key can produce another tenant's value.
+    assert key("up", alpha, "k") != key("up", beta, "k")
+    assert key("up", alpha, "k") != key("up", alpha, None) != key("up", beta, None)
+    assert set(key("up", alpha, "k")) == {"prompt_cache_key"}
+    assert FLAVOURS["none"]("up", alpha, "k") == {}
+
+
+def test_rendezvous_is_stable_per_head_and_spreads_heads():
+    urls = tuple(f"http://u{i}/v1" for i in range(4))
+    namespace = b"\x07" * 32
+    key = affinity_key(namespace, b'{"messages":[{"content":"system prompt"', None)
+    assert rendezvous_order(key, urls) == rendezvous_order(key, tuple(reversed(urls)))
+    assert rendezvous_order(key, urls)[0] == rendezvous_order(key, urls[:3] + urls[3:])[0]
+    firsts = {
+        rendezvous_order(affinity_key(namespace, f"head {i}".encode(), None), urls)[0] for i in range(40)
+    }
+    assert firsts == set(urls)
+    # Another tenant with the same head gets its own key: heads are hashed inside the namespace.
+    assert affinity_key(b"\x08" * 32, b"head", None) != affinity_key(namespace, b"head", None)
+
+
+def test_upstream_errors_map_to_tenant_errors():
+    body = json.dumps(
+        {"error": {"message": "bad max_tokens", "code": "invalid_value", "param": "max_tokens"}}
+    )
+    error = map_upstream_error("up", 400, body.encode(), {})
+    assert isinstance(error, InvalidRequest) and error.status == 400
+    assert (error.message, error.code, error.param) == ("bad max_tokens", "invalid_value", "max_tokens")
+    unprocessable = map_upstream_error("up", 422, b'{"detail": "Unexpected fields: top_k"}', {})
+    assert unprocessable.status == 400 and "top_k" in unprocessable.message
+    assert isinstance(map_upstream_error("up", 404, b"no such model", {}), NotFoundError)
+    for status in (401, 403):
+        auth = map_upstream_error("up", status, b"{}", {})
+        assert isinstance(auth, UpstreamError) and auth.status == 502 and auth.code == "upstream_auth"
+    busy = map_upstream_error("up", 429, b"{}", {"Retry-After": "7"})
+    assert isinstance(busy, Unavailable) and busy.retry_after_s == 7
+    assert map_upstream_error("up", 500, b"<html>oops</html>", {}).status == 502
+
+
+def test_billing_usage_never_invents_counts():
+    usage = {"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 64}}
+    assert billing_usage(usage) == {
+        "prompt_tokens": 100,
+        "completion_tokens": 5,
+        "cached_tokens": 64,
+        "cached_tokens_reported": True,
+    }
+    unreported = billing_usage({"prompt_tokens": 100, "completion_tokens": 5})
+    assert unreported["cached_tokens"] == 0 and unreported["cached_tokens_reported"] is False
+    assert billing_usage(None) is None and billing_usage({}) is None
+    assert billing_usage({"prompt_tokens": "100"}) is None
+
+
+def test_upstream_config_is_frozen_and_hides_its_key():
+    upstream = OpenAIUpstreamConfig(name="u", urls=("http://u/v1",), models=(("m", "m"),), api_key="sk-x")
+    assert "sk-x" not in repr(upstream)
+    with pytest.raises(AttributeError):
+        upstream.api_key = "other"  # type: ignore[misc]
+
+
+def _relay(include_usage: bool):
+    from gateway.billing import TenantCall
+    from gateway.schemas import parse_chat
+    from gateway.upstream_serve import ForwardedRequest, _Relay
+    from tenancy.policy import TenantPolicy
+
+    call = TenantCall(
+        tenant=TenantPolicy(tenant_id="tn_a", name="a"),
+        endpoint="chat.completions",
+        request_id="req_1",
+        completion_id="chatcmpl-ours",
+        usage_key="u1",
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    forwarded = ForwardedRequest(
+        request=parse_chat(body),
+        upstream=None,
+        route=None,
+        path="/chat/completions",
+        body={},
+        num_limit_tokens=1,
+    )
+    return call, _Relay(call, forwarded)
+
+
+def test_a_stream_without_usage_is_recorded_as_unreported_and_billed_nothing():
+    from gateway.billing import usage_event
+    from tenancy.usage_types import ZERO_PRICES
+
+    call, relay = _relay(include_usage=True)
+    chunk = {
+        "id": "theirs",
+        "object": "chat.completion.chunk",
+        "model": "x",
+        "choices": [{"delta": {"content": "a"}}],
+    }
+    sent = json.loads(relay.chunk(chunk).removeprefix(b"data: "))
+    assert (sent["id"], sent["model"], sent["usage"]) == ("chatcmpl-ours", "m", None)
+    relay.sent()
+    assert relay.finish() == b""  # no usage chunk made up
+    event = usage_event(call, ZERO_PRICES)
+    assert (event.outcome, event.prompt_tokens, event.completion_tokens) == ("usage_unreported", 0, 0)
+
+
+def test_per_chunk_usage_bills_a_cut_stream_what_was_sent():
+    from gateway.billing import usage_event
+    from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED, ZERO_PRICES
+
+    call, relay = _relay(include_usage=False)
+    for n in (1, 2, 3):  # vLLM's continuous_usage_stats: cumulative counts on every chunk
+        usage = {"prompt_tokens": 50, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": 32}}
+        data = relay.chunk({"choices": [{"delta": {"content": "x"}}], "usage": usage})
+        assert b'"usage"' not in data  # the client did not ask for usage
+        relay.sent()
+    call.outcome = OUTCOME_CLIENT_CANCELLED
+    event = usage_event(call, ZERO_PRICES)
+    assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (50, 32, 3)
