@@ -10,15 +10,22 @@ under the same keys, count; the request goes to the nominee's worker if that bea
 Embeddings never decide reuse, and an index is keyed by namespace *key*, so no search ever sees another
 tenant's prompts (nor this tenant's prompts of an earlier epoch).
 
+Near miss costs a request at most ``max_wait_s``: the head is embedded on the request's path only when
+the exact index found too little *and* the request's namespaces have remembered prompts to search;
+that embedding jumps the queue of background ones and is waited for at most ``max_wait_s`` (then the
+exact route stands and the vector is still remembered). Every other prompt is remembered in the
+background, after routing.
+
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
-canonicalization rule (``/v1/prompt-lint``, the admin API).
+canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
+they have one (``gateway.near_miss_findings``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +36,7 @@ import numpy as np
 from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
+from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
 from gateway.routing import RouteRequest
 from policies.hashing import NamespaceSegment
 from policies.near_miss import SegmentLayout, layout_of, reusable
@@ -86,32 +94,6 @@ class NearMissRoute:
     exact_tokens: int | None  # None: the exact route stood; else the exact index's cached tokens there
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DivergingSpan:
-    """Where a prompt parted from a similar one of the same tenant: a canonicalization candidate."""
-
-    model_id: str
-    position_token: int  # first token that differs
-    before_text: str  # a few tokens before it (shared)
-    request_text: str  # the request's tokens from there
-    other_text: str  # the similar prompt's tokens from there
-    tokens_after: int  # tokens after the divergence that could not be reused
-    seen_at: float  # unix time
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model_id,
-            "position_token": self.position_token,
-            "before": self.before_text,
-            "request": self.request_text,
-            "other": self.other_text,
-            "tokens_after_divergence": self.tokens_after,
-            "suggestion": "if this span varies per request (an id, a date, a counter), move it after the "
-            "shared prefix or add a canonicalization pattern for it",
-            "seen_at": self.seen_at,
-        }
-
-
 class NearMissRouting:
     def __init__(
         self,
@@ -124,8 +106,10 @@ class NearMissRouting:
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
         max_pending_embeddings: int = 32,
-        findings_per_tenant: int = 20,
+        max_wait_s: float = 0.015,
+        findings: LocalFindings | RedisFindings | None = None,
     ) -> None:
+        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own)."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -134,9 +118,9 @@ class NearMissRouting:
         self.max_prompt_tokens = max_prompt_tokens
         self._capacity = capacity_per_namespace
         self._max_pending = max_pending_embeddings
-        self._findings_per_tenant = findings_per_tenant
+        self.max_wait_s = max_wait_s
+        self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
-        self._findings: dict[str, deque[DivergingSpan]] = {}
         self._background: set[asyncio.Task] = set()
 
     # ---- the routing decision ------------------------------------------------------------------
@@ -153,13 +137,23 @@ class NearMissRouting:
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         head = model.decode(token_ids[: self.head_tokens])
-        if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
+        exact_found_enough = max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks
+        if exact_found_enough or not self._searchable(model.model_id, segments):
             self._remember_later(model, tokens, segments, exact_url, head)
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
-        started = time.perf_counter()
-        vector = await self.embedder.embed(head)
-        if self._metrics is not None:
-            self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
+        vector = self.embedder.cached(head)
+        if vector is None:
+            started = time.perf_counter()
+            job = asyncio.ensure_future(self.embedder.embed(head, urgent=True))
+            try:
+                vector = await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
+            except TimeoutError:  # the exact route stands; the prompt is still remembered
+                self._remember_when_done(job, model, tokens, segments, exact_url)
+                self._count("late")
+                return NearMissRoute(worker_url=exact_url, exact_tokens=None)
+            finally:
+                if self._metrics is not None:
+                    self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
         layout = layout_of(segments)
         best: tuple[int, Remembered] | None = None
         for _, entry in self._search(model.model_id, segments, vector):
@@ -175,10 +169,17 @@ class NearMissRouting:
         if best is not None and best[0] > by_url[exact_url].cached_blocks:
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
-        if self._metrics is not None:
-            self._metrics.near_miss_routes.labels("moved" if exact_tokens is not None else "kept").inc()
+        self._count("moved" if exact_tokens is not None else "kept")
         self._add(model, tokens, segments, chosen, vector)
         return NearMissRoute(worker_url=chosen, exact_tokens=exact_tokens)
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.near_miss_routes.labels(outcome).inc()
+
+    def _searchable(self, model_id: str, segments: Sequence[NamespaceSegment]) -> bool:
+        """Whether any of the request's namespace keys has remembered prompts (else nothing to find)."""
+        return any(self._vectors.get((model_id, bytes(seg.key))) for seg in segments)
 
     def _search(
         self, model_id: str, segments: Sequence[NamespaceSegment], vector: np.ndarray
@@ -220,13 +221,34 @@ class NearMissRouting:
         """Index a prompt the exact route handled, off the request's path (shed when embeddings queue up)."""
         if self.embedder.pending >= self._max_pending:
             return
+        job = asyncio.ensure_future(self.embedder.embed(head, urgent=False))
+        self._remember_when_done(job, model, tokens, segments, url)
 
+    def _remember_when_done(
+        self,
+        job: asyncio.Future,
+        model: ModelRuntime,
+        tokens: np.ndarray,
+        segments: Sequence[NamespaceSegment],
+        url: str,
+    ) -> None:
         async def remember() -> None:
-            self._add(model, tokens, segments, url, await self.embedder.embed(head))
+            try:
+                vector = await job
+            except (asyncio.CancelledError, RuntimeError):  # the embedder closed under it
+                return
+            self._add(model, tokens, segments, url, vector)
 
-        task = asyncio.get_running_loop().create_task(remember())
+        self._spawn(remember())
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def num_remembered(self) -> int:
+        """Prompts remembered over every namespace (tests, benchmarks)."""
+        return sum(len(vectors) for vectors in self._vectors.values())
 
     # ---- findings ------------------------------------------------------------------------------
     def _record_finding(
@@ -234,29 +256,26 @@ class NearMissRouting:
     ) -> None:
         if lcp >= min(len(tokens), len(other.token_ids)) or lcp == 0:
             return  # one is a prefix of the other (no divergence) or nothing is shared
-        findings = self._findings.setdefault(tenant.tenant_id, deque(maxlen=self._findings_per_tenant))
-        if any(f.position_token == lcp and f.model_id == model.model_id for f in findings):
-            return
-        findings.append(
-            DivergingSpan(
-                model_id=model.model_id,
-                position_token=lcp,
-                before_text=model.decode(tokens[max(0, lcp - 8) : lcp].tolist()),
-                request_text=model.decode(tokens[lcp : lcp + 12].tolist()),
-                other_text=model.decode(other.token_ids[lcp : lcp + 12].tolist()),
-                tokens_after=int(len(tokens) - lcp),
-                seen_at=time.time(),
-            )
+        span = DivergingSpan(
+            model_id=model.model_id,
+            position_token=lcp,
+            before_text=model.decode(tokens[max(0, lcp - 8) : lcp].tolist()),
+            request_text=model.decode(tokens[lcp : lcp + 12].tolist()),
+            other_text=model.decode(other.token_ids[lcp : lcp + 12].tolist()),
+            tokens_after=int(len(tokens) - lcp),
+            seen_at=time.time(),
         )
+        self._spawn(self._findings.record(tenant.tenant_id, span))  # Redis, if any, stays off the path
 
-    def findings(self, tenant_id: str) -> list[dict[str, Any]]:
-        """The tenant's recent diverging spans, newest first."""
-        return [f.to_json() for f in reversed(self._findings.get(tenant_id, ()))]
+    async def findings(self, tenant_id: str) -> list[dict[str, Any]]:
+        """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
+        return await self._findings.recent(tenant_id)
 
-    def forget_tenant(self, tenant_id: str) -> None:
-        self._findings.pop(tenant_id, None)
+    async def forget_tenant(self, tenant_id: str) -> None:
+        await self._findings.forget(tenant_id)
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         self.embedder.close()
+        await self._findings.close()

@@ -95,20 +95,28 @@ class KVAwareRouter:
 
     running_cost_tokens: float = 8.0  # a decode step is cheap next to prefill (measured: bench.routing)
     min_cached_blocks: int = 1
+    duplicate_cost_factor: float = 0.0
     fallback: RendezvousRouter = RendezvousRouter()
 
-    def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
+    def cost_tokens(self, request: RouteRequest, worker: WorkerLoad, best: float = 0.0) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
         running = max(worker.num_running, worker.in_flight)
-        return uncached + worker.queued_prefill_tokens + self.running_cost_tokens * running
+        duplicated = max(0.0, best - worker.cached_weighted_blocks) * request.block_size
+        return (
+            uncached
+            + worker.queued_prefill_tokens
+            + self.running_cost_tokens * running
+            + self.duplicate_cost_factor * duplicated
+        )
 
     def choose(self, request: RouteRequest) -> str:
         if max(worker.cached_blocks for worker in request.candidates) < self.min_cached_blocks:
             return self.fallback.choose(request)
         key = request.affinity_key or b""
+        best = max(worker.cached_weighted_blocks for worker in request.candidates)
         return min(
             request.candidates,
-            key=lambda w: (self.cost_tokens(request, w), _score(key, w.url)[::-1], w.url),
+            key=lambda w: (self.cost_tokens(request, w, best), _score(key, w.url)[::-1], w.url),
         ).url
 
 
