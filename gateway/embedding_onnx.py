@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,8 @@ def _build(model_dir: Path, path: Path, *, max_seq_tokens: int, tokenizer: Any, 
     reference = SentenceTransformer(str(model_dir), device="cpu", local_files_only=True)
     reference.max_seq_length = max_seq_tokens
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on this model's Python branches, checked below
         fp32, int8 = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         ids = torch.ones(1, max_seq_tokens, dtype=torch.long)
         axes = {0: "batch", 1: "tokens"}
