@@ -109,6 +109,7 @@ class PromptEmbedder:
         self._load_lock = threading.Lock()
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_entries = cache_entries
+        self._in_flight: dict[bytes, Future] = {}
         self.pending = 0  # embeddings queued or running (callers shed optional work above a bound)
 
     def _load(self) -> Callable[[str], np.ndarray]:
@@ -180,13 +181,19 @@ class PromptEmbedder:
         cached = self.cached(text)
         if cached is not None:
             return cached
+        key = blake3.blake3(text.encode()).digest(16)
+        future = self._in_flight.get(key)  # the same head asked again before its embedding is done
+        if future is None:
+            future = self._in_flight[key] = self._thread.submit(
+                URGENT if urgent else BACKGROUND, self._encode, text
+            )
+            future.add_done_callback(lambda _: self._in_flight.pop(key, None))
         self.pending += 1
         try:
-            future = self._thread.submit(URGENT if urgent else BACKGROUND, self._encode, text)
-            vector = await asyncio.wrap_future(future)
+            vector = await asyncio.shield(asyncio.wrap_future(future))
         finally:
             self.pending -= 1
-        self._cache[blake3.blake3(text.encode()).digest(16)] = vector
+        self._cache[key] = vector
         if len(self._cache) > self._cache_entries:
             self._cache.popitem(last=False)
         return vector

@@ -178,7 +178,8 @@ async def test_near_miss_never_holds_a_request_longer_than_its_wait_bound(
     await wait_until(lambda: near_miss.num_remembered() == 1)  # embedded after routing, in the background
     # Now there is something to search, but the embedding misses the bound: the exact route stands at
     # once, and the prompt is remembered all the same when its embedding lands.
-    usage = await complete(sdk, shared + [rng.randrange(1, 200) for _ in range(BLOCK)])
+    # (A prompt sharing nothing with the first: the latest prompts, checked by tokens, nominate nothing.)
+    usage = await complete(sdk, [rng.randrange(1, 200) for _ in range(4 * BLOCK)])
     assert usage["prefixgate"]["near_miss_tokens"] == 0
     assert sample("prefixgate_near_miss_routes_total", {"outcome": "late"}) == 1
     assert sample("prefixgate_near_miss_embed_seconds_count") == 1
