@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -39,7 +39,7 @@ from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
-from gateway.routing import RouteRequest
+from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
 from policies.near_miss import SegmentLayout, layout_of, reusable
 from tenancy.policy import TenantPolicy
@@ -123,6 +123,7 @@ class NearMissRouting:
         self._max_pending = max_pending_embeddings
         self.max_wait_s = max_wait_s
         self.recent_per_namespace = recent_per_namespace
+        self._cost = KVAwareRouter().cost_tokens
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
@@ -162,12 +163,28 @@ class NearMissRouting:
         self._record_finding(tenant, model, tokens, segments, nominees, request.block_size)
         chosen = exact_url
         exact_tokens: int | None = None
-        if best is not None and best[0] > by_url[exact_url].cached_blocks:
+        if best is not None and self._worth_moving(
+            request, by_url[exact_url], by_url[best[1].worker_url], best[0]
+        ):
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
         self._count("moved" if exact_tokens is not None else "late" if late else "kept")
         self._remember(model, tokens, segments, chosen, head, vector)
         return NearMissRoute(worker_url=chosen, exact_tokens=exact_tokens)
+
+    def _worth_moving(
+        self, request: RouteRequest, exact: WorkerLoad, other: WorkerLoad, reusable_blocks: int
+    ) -> bool:
+        """Whether the request should leave its exact route for ``other``, where it would reuse
+        ``reusable_blocks``: more reuse than the exact route has, a lower cost by the KV-aware router's
+        measure, and no more requests in flight there (a few reused blocks do not pay for waiting
+        behind whole prefills: moving every near duplicate of a burst onto one worker doubled TTFT)."""
+        if reusable_blocks <= exact.cached_blocks or other.in_flight > exact.in_flight:
+            return False
+        with_reuse = replace(
+            other, cached_weighted_blocks=max(other.cached_weighted_blocks, float(reusable_blocks))
+        )
+        return self._cost(request, with_reuse) < self._cost(request, exact)
 
     async def _embed_within_bound(self, head: str) -> np.ndarray | None:
         """The head's embedding, ahead of queued background ones; None if not ready within the bound."""
