@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -87,7 +88,7 @@ class LeastLoadedRouter:
         return min(request.candidates, key=lambda worker: (worker.in_flight, worker.url)).url
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class KVAwareRouter:
     """Cached prefixes stay where they are; new ones go where caches last. From the workers' KV events.
 
@@ -107,13 +108,16 @@ class KVAwareRouter:
     the KV events): the cache that turns over slower. Two choices, not all workers: every gateway
     replica sees the same stale pressures for a moment, and two choices per key do not herd new
     prefixes onto one worker while the index lags. Pressures less than one prompt's blocks apart count
-    as equal and the rendezvous order decides, so the first requests of a new prefix still gather on
-    one worker before its blocks reach the index.
+    as equal and the rendezvous order decides. A placement is remembered (``remembered_placements``
+    keys, per router): until the prefix's blocks reach the index, its next requests follow the first
+    to the same worker even if pressures moved meanwhile, as the plain hash would send them.
     """
 
     running_cost_tokens: float = 8.0  # a decode step is cheap next to prefill (measured: bench.routing)
     min_cached_blocks: int = 1
     fallback: RendezvousRouter = RendezvousRouter()
+    remembered_placements: int = 4096
+    _placed: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # affinity key -> url, LRU
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
@@ -139,10 +143,19 @@ class KVAwareRouter:
         key = request.affinity_key
         ranked = sorted(request.candidates, key=lambda worker: _rank(key, worker.url))
         bound = self.fallback.load_bound(ranked)
-        choices = ([worker for worker in ranked if worker.in_flight <= bound] or ranked)[:2]
+        eligible = [worker for worker in ranked if worker.in_flight <= bound] or ranked
+        placed = self._placed.get(key)
+        if placed is not None and any(worker.url == placed for worker in eligible):
+            self._placed.move_to_end(key)
+            return placed
+        choices = eligible[:2]
         least = min(worker.write_pressure_blocks for worker in choices)
         tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt will write
-        return next(worker.url for worker in choices if worker.write_pressure_blocks <= least + tolerance)
+        url = next(worker.url for worker in choices if worker.write_pressure_blocks <= least + tolerance)
+        self._placed[key] = url
+        if len(self._placed) > self.remembered_placements:
+            self._placed.popitem(last=False)
+        return url
 
 
 def _rank(affinity_key: bytes, url: str) -> bytes:

@@ -131,7 +131,6 @@ def test_kv_aware_prefers_the_cached_prefix_until_load_outweighs_it():
 
 
 def test_kv_aware_places_a_cold_prefix_on_the_less_write_pressed_of_its_two_rendezvous_workers():
-    router = KVAwareRouter()
     key = b"cold-prefix-key!"
     first = RendezvousRouter().choose(RouteRequest(affinity_key=key, candidates=loads(0, 0, 0, 0)))
     second = RendezvousRouter().choose(
@@ -141,8 +140,10 @@ def test_kv_aware_places_a_cold_prefix_on_the_less_write_pressed_of_its_two_rend
     def pressured(**by_url: float) -> list[WorkerLoad]:
         return [WorkerLoad(url=u, in_flight=0, write_pressure_blocks=by_url.get(u, 0.0)) for u in URLS]
 
-    def place(candidates: list[WorkerLoad]) -> str:
-        return router.choose(RouteRequest(affinity_key=key, candidates=candidates, num_prompt_tokens=160))
+    def place(candidates: list[WorkerLoad]) -> str:  # a fresh router: no placement remembered
+        return KVAwareRouter().choose(
+            RouteRequest(affinity_key=key, candidates=candidates, num_prompt_tokens=160)
+        )
 
     assert place(pressured()) == first  # equal pressure: the rendezvous order
     assert place(pressured(**{first: 500.0})) == second  # its first choice's cache turns over faster
@@ -188,3 +189,18 @@ def test_index_measures_write_pressure_from_new_device_pool_stores_only():
     state = index.workers[URLS[0]]
     state.pressure_at_s -= WRITE_PRESSURE_TAU_S  # a time constant later
     assert abs(index.write_pressure(state) - 2.0 / math.e) < 0.01
+
+
+def test_kv_aware_sends_a_cold_prefix_where_it_placed_it_until_the_index_catches_up():
+    router = KVAwareRouter()
+    key = b"new-prefix-key!!"
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+    first = router.choose(RouteRequest(affinity_key=key, candidates=calm, num_prompt_tokens=64))
+    # Other prefixes' blocks reached the index meanwhile and loaded `first` with writes; this prefix's
+    # own blocks have not arrived yet: its next request still follows the first one.
+    pressed = [WorkerLoad(url=u, in_flight=0, write_pressure_blocks=900.0 * (u == first)) for u in URLS]
+    assert router.choose(RouteRequest(affinity_key=key, candidates=pressed, num_prompt_tokens=64)) == first
+    other = router.choose(
+        RouteRequest(affinity_key=b"another-prefix!!", candidates=pressed, num_prompt_tokens=64)
+    )
+    assert other != first  # a new prefix does see the pressure
