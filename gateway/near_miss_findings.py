@@ -57,10 +57,13 @@ class LocalFindings:
         self.limit = limit
         self._by_tenant: dict[str, deque[DivergingSpan]] = {}
 
-    async def record(self, tenant_id: str, span: DivergingSpan) -> None:
+    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
+        """Keep ``span`` unless its (model, position) is kept already; True if it is new."""
         spans = self._by_tenant.setdefault(tenant_id, deque(maxlen=self.limit))
-        if not any(s.position_token == span.position_token and s.model_id == span.model_id for s in spans):
-            spans.append(span)
+        if any(s.position_token == span.position_token and s.model_id == span.model_id for s in spans):
+            return False
+        spans.append(span)
+        return True
 
     async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
         """The tenant's findings, newest first."""
@@ -121,8 +124,9 @@ class RedisFindings:
             self._warned_at = time.monotonic()
             log.warning("near-miss findings: Redis %s failed (%s); serving this replica's own", what, error)
 
-    async def record(self, tenant_id: str, span: DivergingSpan) -> None:
-        await self._local.record(tenant_id, span)
+    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
+        if not await self._local.record(tenant_id, span):
+            return False  # this replica wrote it already (the same spot recurs with every near miss)
         field = f"{span.model_id}\0{span.position_token}"
         try:
             await self._record(
@@ -131,6 +135,7 @@ class RedisFindings:
             )
         except Exception as error:  # redis.RedisError, OSError, timeouts: the local copy stands
             self._warn("write", error)
+        return True
 
     async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
         """Every replica's findings for the tenant, newest first."""
