@@ -105,10 +105,10 @@ async def get_tenant(request: web.Request) -> web.Response:
 
 
 async def near_miss_findings(request: web.Request) -> web.Response:
-    """Where this tenant's similar prompts diverged (this replica's recent near misses): candidate
-    canonicalization rules."""
+    """Where this tenant's similar prompts diverged (recent near misses, every replica's when they share
+    Redis): candidate canonicalization rules."""
     policy, _ = await request.config_dict[REPOSITORY].get_tenant(request.match_info["tenant_id"])
-    findings = request.config_dict[NEAR_MISS].findings(policy.tenant_id)
+    findings = await request.config_dict[NEAR_MISS].findings(policy.tenant_id)
     return web.json_response({"object": "list", "tenant_id": policy.tenant_id, "data": findings})
 
 

@@ -8,6 +8,7 @@ import secrets
 import time
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +28,7 @@ from gateway.kv_relay import RedisKVRelay
 from gateway.metrics import TENANT_LABEL_MODES, GatewayMetrics
 from gateway.namespace_secret import namespace_secret_ctx
 from gateway.near_miss import NearMissRouting
+from gateway.near_miss_findings import LocalFindings, RedisFindings
 from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
 from gateway.parameters import UnknownFields
@@ -181,8 +183,17 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         relay = RedisKVRelay(config.redis_url, replica_id=secrets.token_hex(8))
     app[KV_CONSUMER] = consumer = KVEventConsumer(pool, prefix_index, relay=relay)
     # The embedder loads (and imports torch) only when a near-miss tenant first needs it.
+    embedder = PromptEmbedder(
+        cache_dir=Path(config.near_miss_cache_dir or config.data_dir / "embeddings"),
+        backend=config.near_miss_embedding,
+    )
+    findings = RedisFindings(config.redis_url) if config.redis_url else LocalFindings()
     app[NEAR_MISS] = near_miss = NearMissRouting(
-        embedder=PromptEmbedder(), metrics=app[METRICS], min_blocks=config.near_miss_min_blocks
+        embedder=embedder,
+        metrics=app[METRICS],
+        min_blocks=config.near_miss_min_blocks,
+        max_wait_s=config.near_miss_max_wait_ms / 1000,
+        findings=findings,
     )
     pipeline = RequestPipeline(
         pool=pool,

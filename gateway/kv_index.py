@@ -9,6 +9,8 @@ event stream, or restarts, is dropped from the index at once.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,6 +20,9 @@ from gateway.routing import WorkerLoad
 # How much a cached block is worth by tier, relative to one in the device pool: loading from a lower
 # tier costs a copy (L2) or a read (L3, Redis), still far cheaper than recomputing the block.
 TIER_WEIGHTS: Mapping[str, float] = {"L1": 1.0, "L2": 0.8, "L3": 0.5, "remote": 0.3}
+# Write pressure: device-pool blocks a worker stored, decayed with this time constant. A worker that
+# writes many new blocks evicts fast, so a new prefix placed there would be gone soonest.
+WRITE_PRESSURE_TAU_S = 60.0
 
 
 @dataclass(slots=True)
@@ -43,6 +48,9 @@ class PrefixMatch:
 class WorkerIndex:
     worker_id: str | None = None  # the worker process the events came from
     last_seq: int = 0  # last event applied
+    write_pressure_blocks: float = 0.0  # L1 blocks stored, decayed (WRITE_PRESSURE_TAU_S) to pressure_at_s
+    pressure_at_s: float = 0.0  # monotonic
+    caught_up: bool = False  # reached the worker's newest event once: later stores are new writes
     blocks: dict[bytes, CachedBlock] = field(default_factory=dict)
     load: WorkerLoadReport = field(default_factory=WorkerLoadReport)
 
@@ -78,6 +86,21 @@ class PrefixIndex:
             num_waiting=int(load.get("num_waiting", 0)),
             queued_prefill_tokens=int(load.get("queued_prefill_tokens", 0)),
         )
+        if state.caught_up:  # a replay of history is not pressure
+            stored = sum(
+                len(e.get("block_hashes", ()))
+                for e in batch["events"]
+                if e["type"] == "BlockStored" and e.get("medium", "L1") == "L1"
+            )
+            state.write_pressure_blocks = self.write_pressure(state) + stored
+            state.pressure_at_s = time.monotonic()
+        state.caught_up = state.last_seq >= int(batch.get("last_seq", 0))
+
+    @staticmethod
+    def write_pressure(state: WorkerIndex) -> float:
+        """The worker's decayed count of device-pool blocks stored, as of now."""
+        age_s = time.monotonic() - state.pressure_at_s
+        return state.write_pressure_blocks * math.exp(-age_s / WRITE_PRESSURE_TAU_S)
 
     @staticmethod
     def _apply_event(state: WorkerIndex, event: Mapping[str, Any]) -> None:
@@ -126,6 +149,7 @@ class PrefixIndex:
             found = self.match(worker.url, hashes, namespace_ids)
             state = self.workers.get(worker.url)
             load = state.load if state is not None else WorkerLoadReport()
+            pressure = self.write_pressure(state) if state is not None else 0.0
             annotated.append(
                 replace(
                     worker,
@@ -133,6 +157,7 @@ class PrefixIndex:
                     cached_weighted_blocks=found.weighted_blocks,
                     num_running=load.num_running,
                     queued_prefill_tokens=load.queued_prefill_tokens,
+                    write_pressure_blocks=pressure,
                 )
             )
         return annotated

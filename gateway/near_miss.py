@@ -1,17 +1,26 @@
 """Near-miss routing: when the exact KV index finds little, route to a worker holding a similar prompt.
 
 For tenants that enable it (``near_miss_routing``), every routed prompt is remembered per namespace
-key: its head's embedding in a FAISS inner-product index, its tokens and the worker it went to. When
-the exact index finds fewer than ``min_blocks`` cached blocks on every worker, the head is embedded
-(``gateway.embedding``, in its own thread) and the nearest remembered prompts of the request's own
-namespace keys (its tenant key, plus the global key when its prefix is promoted) are nominated. Each
-nominee is verified on tokens (``policies.near_miss``): only the blocks the two prompts share exactly,
-under the same keys, count; the request goes to the nominee's worker if that beats the exact route.
+key: its tokens and the worker it went to, at once among the namespace's ``recent_per_namespace``
+latest, and its head's embedding in a FAISS inner-product index once computed. When the exact index
+finds fewer than ``min_blocks`` cached blocks on every worker, the latest prompts of the request's own
+namespace keys (its tenant key, plus the global key when its prefix is promoted) are nominated, and,
+unless one of them already shares ``min_blocks``, so are the nearest of the FAISS index (the head is
+embedded by ``gateway.embedding`` in its own thread). Each nominee is verified on tokens
+(``policies.near_miss``): only the blocks the two prompts share exactly, under the same keys, count;
+the request goes to the nominee's worker if that beats the exact route.
 Embeddings never decide reuse, and an index is keyed by namespace *key*, so no search ever sees another
 tenant's prompts (nor this tenant's prompts of an earlier epoch).
 
+Near miss costs a request at most ``max_wait_s``: the head is embedded on the request's path only when
+the exact index found too little *and* the request's namespaces have remembered prompts to search;
+that embedding jumps the queue of background ones and is waited for at most ``max_wait_s`` (then the
+exact route stands and the vector is still remembered). Every other prompt is remembered in the
+background, after routing.
+
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
-canonicalization rule (``/v1/prompt-lint``, the admin API).
+canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
+they have one (``gateway.near_miss_findings``).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import asyncio
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -29,7 +38,8 @@ import numpy as np
 from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
-from gateway.routing import RouteRequest
+from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
+from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
 from policies.near_miss import SegmentLayout, layout_of, reusable
 from tenancy.policy import TenantPolicy
@@ -86,32 +96,6 @@ class NearMissRoute:
     exact_tokens: int | None  # None: the exact route stood; else the exact index's cached tokens there
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DivergingSpan:
-    """Where a prompt parted from a similar one of the same tenant: a canonicalization candidate."""
-
-    model_id: str
-    position_token: int  # first token that differs
-    before_text: str  # a few tokens before it (shared)
-    request_text: str  # the request's tokens from there
-    other_text: str  # the similar prompt's tokens from there
-    tokens_after: int  # tokens after the divergence that could not be reused
-    seen_at: float  # unix time
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model_id,
-            "position_token": self.position_token,
-            "before": self.before_text,
-            "request": self.request_text,
-            "other": self.other_text,
-            "tokens_after_divergence": self.tokens_after,
-            "suggestion": "if this span varies per request (an id, a date, a counter), move it after the "
-            "shared prefix or add a canonicalization pattern for it",
-            "seen_at": self.seen_at,
-        }
-
-
 class NearMissRouting:
     def __init__(
         self,
@@ -124,8 +108,11 @@ class NearMissRouting:
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
         max_pending_embeddings: int = 32,
-        findings_per_tenant: int = 20,
+        max_wait_s: float = 0.015,
+        recent_per_namespace: int = 16,
+        findings: LocalFindings | RedisFindings | None = None,
     ) -> None:
+        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own)."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -134,9 +121,12 @@ class NearMissRouting:
         self.max_prompt_tokens = max_prompt_tokens
         self._capacity = capacity_per_namespace
         self._max_pending = max_pending_embeddings
-        self._findings_per_tenant = findings_per_tenant
+        self.max_wait_s = max_wait_s
+        self.recent_per_namespace = recent_per_namespace
+        self._cost = KVAwareRouter().cost_tokens
+        self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
+        self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
-        self._findings: dict[str, deque[DivergingSpan]] = {}
         self._background: set[asyncio.Task] = set()
 
     # ---- the routing decision ------------------------------------------------------------------
@@ -154,31 +144,94 @@ class NearMissRouting:
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         head = model.decode(token_ids[: self.head_tokens])
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
-            self._remember_later(model, tokens, segments, exact_url, head)
+            self._remember(model, tokens, segments, exact_url, head)
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
-        started = time.perf_counter()
-        vector = await self.embedder.embed(head)
-        if self._metrics is not None:
-            self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
-        layout = layout_of(segments)
-        best: tuple[int, Remembered] | None = None
-        for _, entry in self._search(model.model_id, segments, vector):
-            if entry.worker_url not in by_url:
-                continue  # its worker is gone
-            reuse = reusable(tokens, layout, entry.token_ids, entry.layout, request.block_size)
-            if entry.own_key == bytes(segments[-1].key):
-                self._record_finding(tenant, model, tokens, entry, reuse.lcp_tokens)
-            if reuse.reusable_blocks and (best is None or reuse.reusable_blocks > best[0]):
-                best = (reuse.reusable_blocks, entry)
+        # The namespace's latest prompts first, by tokens alone: a burst of similar prompts finds its
+        # first one at once, before that one's embedding (or its blocks) exists.
+        nominees = self._recent_of(model.model_id, segments)
+        best = self._best(tokens, segments, nominees, by_url, request.block_size)
+        vector, late = None, False
+        if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
+            vector = await self._embed_within_bound(head)
+            late = vector is None
+            if vector is not None:
+                found = [entry for _, entry in self._search(model.model_id, segments, vector)]
+                nominees += found
+                better = self._best(tokens, segments, found, by_url, request.block_size)
+                if better is not None and (best is None or better[0] > best[0]):
+                    best = better
+        self._record_finding(tenant, model, tokens, segments, nominees, request.block_size)
         chosen = exact_url
         exact_tokens: int | None = None
-        if best is not None and best[0] > by_url[exact_url].cached_blocks:
+        if best is not None and self._worth_moving(
+            request, by_url[exact_url], by_url[best[1].worker_url], best[0]
+        ):
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
-        if self._metrics is not None:
-            self._metrics.near_miss_routes.labels("moved" if exact_tokens is not None else "kept").inc()
-        self._add(model, tokens, segments, chosen, vector)
+        self._count("moved" if exact_tokens is not None else "late" if late else "kept")
+        self._remember(model, tokens, segments, chosen, head, vector)
         return NearMissRoute(worker_url=chosen, exact_tokens=exact_tokens)
+
+    def _worth_moving(
+        self, request: RouteRequest, exact: WorkerLoad, other: WorkerLoad, reusable_blocks: int
+    ) -> bool:
+        """Whether the request should leave its exact route for ``other``, where it would reuse
+        ``reusable_blocks``: more reuse than the exact route has, a lower cost by the KV-aware router's
+        measure, and no more requests in flight there (a few reused blocks do not pay for waiting
+        behind whole prefills: moving every near duplicate of a burst onto one worker doubled TTFT)."""
+        if reusable_blocks <= exact.cached_blocks or other.in_flight > exact.in_flight:
+            return False
+        with_reuse = replace(
+            other, cached_weighted_blocks=max(other.cached_weighted_blocks, float(reusable_blocks))
+        )
+        return self._cost(request, with_reuse) < self._cost(request, exact)
+
+    async def _embed_within_bound(self, head: str) -> np.ndarray | None:
+        """The head's embedding, ahead of queued background ones; None if not ready within the bound."""
+        vector = self.embedder.cached(head)
+        if vector is not None:
+            return vector
+        started = time.perf_counter()
+        job = asyncio.ensure_future(self.embedder.embed(head, urgent=True))
+        try:
+            return await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
+        except TimeoutError:  # the job goes on: its vector lands in the LRU for _remember
+            return None
+        finally:
+            if self._metrics is not None:
+                self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
+
+    def _best(
+        self,
+        tokens: np.ndarray,
+        segments: Sequence[NamespaceSegment],
+        nominees: Sequence[Remembered],
+        by_url: dict,
+        block_size: int,
+    ) -> tuple[int, Remembered] | None:
+        """The nominee whose cache the request could reuse most (exact tokens, same keys), if any."""
+        layout = layout_of(segments)
+        best: tuple[int, Remembered] | None = None
+        for entry in nominees:
+            if entry.worker_url not in by_url:
+                continue  # its worker is gone
+            blocks = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).reusable_blocks
+            if blocks and (best is None or blocks > best[0]):
+                best = (blocks, entry)
+        return best
+
+    def _count(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.near_miss_routes.labels(outcome).inc()
+
+    def _recent_of(self, model_id: str, segments: Sequence[NamespaceSegment]) -> list[Remembered]:
+        """The latest prompts remembered under the request's own keys, newest first."""
+        keys = {bytes(seg.key) for seg in segments}
+        return [entry for key in keys for entry in reversed(self._recent.get((model_id, key), ()))]
+
+    def _searchable(self, model_id: str, segments: Sequence[NamespaceSegment]) -> bool:
+        """Whether any of the request's namespace keys has remembered prompts (else nothing to find)."""
+        return any(self._vectors.get((model_id, bytes(seg.key))) for seg in segments)
 
     def _search(
         self, model_id: str, segments: Sequence[NamespaceSegment], vector: np.ndarray
@@ -191,72 +244,98 @@ class NearMissRouting:
         return sorted(hits, key=lambda hit: -hit[0])[: self.top_k]
 
     # ---- remembering prompts -------------------------------------------------------------------
-    def _add(
-        self,
-        model: ModelRuntime,
-        tokens: np.ndarray,
-        segments: Sequence[NamespaceSegment],
-        url: str,
-        vector: np.ndarray,
-    ) -> None:
-        own_key = bytes(segments[-1].key)
-        vectors = self._vectors.get((model.model_id, own_key))
-        if vectors is None:
-            vectors = self._vectors[(model.model_id, own_key)] = NamespaceVectors(
-                EMBEDDING_DIM, self._capacity
-            )
-        vectors.add(
-            vector, Remembered(token_ids=tokens, layout=layout_of(segments), worker_url=url, own_key=own_key)
-        )
-
-    def _remember_later(
+    def _remember(
         self,
         model: ModelRuntime,
         tokens: np.ndarray,
         segments: Sequence[NamespaceSegment],
         url: str,
         head: str,
+        vector: np.ndarray | None = None,
     ) -> None:
-        """Index a prompt the exact route handled, off the request's path (shed when embeddings queue up)."""
+        """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
+        background, off the request's path; shed when embeddings queue up)."""
+        own_key = bytes(segments[-1].key)
+        entry = Remembered(token_ids=tokens, layout=layout_of(segments), worker_url=url, own_key=own_key)
+        recent = self._recent.get((model.model_id, own_key))
+        if recent is None:
+            recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
+        recent.append(entry)
+        vector = vector if vector is not None else self.embedder.cached(head)
+        if vector is not None:
+            self._add(model.model_id, entry, vector)
+            return
         if self.embedder.pending >= self._max_pending:
             return
 
         async def remember() -> None:
-            self._add(model, tokens, segments, url, await self.embedder.embed(head))
+            try:
+                embedded = await self.embedder.embed(head, urgent=False)
+            except (asyncio.CancelledError, RuntimeError):  # the embedder closed under it
+                return
+            self._add(model.model_id, entry, embedded)
 
-        task = asyncio.get_running_loop().create_task(remember())
+        self._spawn(remember())
+
+    def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
+        vectors = self._vectors.get((model_id, entry.own_key))
+        if vectors is None:
+            vectors = NamespaceVectors(EMBEDDING_DIM, self._capacity)
+            self._vectors[(model_id, entry.own_key)] = vectors
+        vectors.add(vector, entry)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def num_remembered(self) -> int:
+        """Prompts remembered over every namespace (tests, benchmarks)."""
+        return sum(len(vectors) for vectors in self._vectors.values())
+
     # ---- findings ------------------------------------------------------------------------------
     def _record_finding(
-        self, tenant: TenantPolicy, model: ModelRuntime, tokens: np.ndarray, other: Remembered, lcp: int
+        self,
+        tenant: TenantPolicy,
+        model: ModelRuntime,
+        tokens: np.ndarray,
+        segments: Sequence[NamespaceSegment],
+        nominees: Sequence[Remembered],
+        block_size: int,
     ) -> None:
+        """Keep where the request parted from its closest prompt of the same namespace (one per request)."""
+        own_key, layout = bytes(segments[-1].key), layout_of(segments)
+        closest: tuple[int, Remembered] | None = None
+        for entry in nominees:
+            if entry.own_key == own_key:
+                lcp = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).lcp_tokens
+                if closest is None or lcp > closest[0]:
+                    closest = (lcp, entry)
+        if closest is None:
+            return
+        lcp, other = closest
         if lcp >= min(len(tokens), len(other.token_ids)) or lcp == 0:
             return  # one is a prefix of the other (no divergence) or nothing is shared
-        findings = self._findings.setdefault(tenant.tenant_id, deque(maxlen=self._findings_per_tenant))
-        if any(f.position_token == lcp and f.model_id == model.model_id for f in findings):
-            return
-        findings.append(
-            DivergingSpan(
-                model_id=model.model_id,
-                position_token=lcp,
-                before_text=model.decode(tokens[max(0, lcp - 8) : lcp].tolist()),
-                request_text=model.decode(tokens[lcp : lcp + 12].tolist()),
-                other_text=model.decode(other.token_ids[lcp : lcp + 12].tolist()),
-                tokens_after=int(len(tokens) - lcp),
-                seen_at=time.time(),
-            )
+        span = DivergingSpan(
+            model_id=model.model_id,
+            position_token=lcp,
+            before_text=model.decode(tokens[max(0, lcp - 8) : lcp].tolist()),
+            request_text=model.decode(tokens[lcp : lcp + 12].tolist()),
+            other_text=model.decode(other.token_ids[lcp : lcp + 12].tolist()),
+            tokens_after=int(len(tokens) - lcp),
+            seen_at=time.time(),
         )
+        self._spawn(self._findings.record(tenant.tenant_id, span))  # Redis, if any, stays off the path
 
-    def findings(self, tenant_id: str) -> list[dict[str, Any]]:
-        """The tenant's recent diverging spans, newest first."""
-        return [f.to_json() for f in reversed(self._findings.get(tenant_id, ()))]
+    async def findings(self, tenant_id: str) -> list[dict[str, Any]]:
+        """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
+        return await self._findings.recent(tenant_id)
 
-    def forget_tenant(self, tenant_id: str) -> None:
-        self._findings.pop(tenant_id, None)
+    async def forget_tenant(self, tenant_id: str) -> None:
+        await self._findings.forget(tenant_id)
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         self.embedder.close()
+        await self._findings.close()

@@ -360,7 +360,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     pipeline.check_prompt_size(parsed, model, context_window=False)
     body = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
     if tenant.near_miss_routing:  # where this tenant's similar prompts parted: canonicalization candidates
-        body["near_miss_findings"] = request.config_dict[NEAR_MISS].findings(tenant.tenant_id)
+        body["near_miss_findings"] = await request.config_dict[NEAR_MISS].findings(tenant.tenant_id)
     return openai_format.json_response(body, headers=headers)
 
 

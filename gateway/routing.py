@@ -4,14 +4,16 @@ The request's affinity key is derived inside its namespace (a block hash of the 
 prompt, or the tenant's ``prompt_cache_key`` mixed with its namespace key), so two tenants never
 collide on purpose and one tenant's prompts with the same head land on the same worker, where its
 blocks are cached. ``KVAwareRouter`` (the default) uses what the workers' KV events say they hold
-(``gateway.kv_index``): the longest cached prefix, weighted by tier, against each worker's load; it
-falls back to the rendezvous hash when no worker holds any of the prompt.
+(``gateway.kv_index``): a request stays with the worker holding its longest cached prefix unless that
+worker is over the load bound, and a prefix no worker holds goes to the less write-pressed of its two
+rendezvous workers (docs/routing.md explains the rule).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +29,7 @@ class WorkerLoad:
     cached_weighted_blocks: float = 0.0  # the same, weighted by tier (gateway.kv_index.TIER_WEIGHTS)
     num_running: int = 0  # sequences running on the worker (its last report, all gateways)
     queued_prefill_tokens: int = 0  # prompt tokens waiting for prefill there (its last report)
+    write_pressure_blocks: float = 0.0  # device-pool blocks it stored lately (gateway.kv_index, decayed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,13 +63,17 @@ class RendezvousRouter:
     max_load_factor: float = 1.5
     load_slack: int = 4
 
+    def load_bound(self, candidates: Sequence[WorkerLoad]) -> float:
+        """The most requests in flight a worker may have and still take more for its keys."""
+        mean = sum(worker.in_flight for worker in candidates) / len(candidates)
+        return mean * self.max_load_factor + self.load_slack
+
     def choose(self, request: RouteRequest) -> str:
         candidates = list(request.candidates)
         if request.affinity_key is None:
             return min(candidates, key=lambda worker: (worker.in_flight, worker.url)).url
         ranked = sorted(candidates, key=lambda worker: _score(request.affinity_key, worker.url), reverse=True)
-        mean = sum(worker.in_flight for worker in candidates) / len(candidates)
-        bound = mean * self.max_load_factor + self.load_slack
+        bound = self.load_bound(candidates)
         for worker in ranked:
             if worker.in_flight <= bound:
                 return worker.url
@@ -81,21 +88,36 @@ class LeastLoadedRouter:
         return min(request.candidates, key=lambda worker: (worker.in_flight, worker.url)).url
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class KVAwareRouter:
-    """Longest cached prefix against load, from the workers' KV events.
+    """Cached prefixes stay where they are; new ones go where caches last. From the workers' KV events.
 
-    The cost of sending a request to a worker, in prefill-token equivalents, is the part of the prompt
-    it would have to compute (the prompt minus its cached prefix, blocks weighted by tier) plus the
-    prompt tokens already queued there plus ``running_cost_tokens`` per running sequence (the larger of
-    its own report and this gateway's in-flight count). The cheapest worker wins; ties go to the
-    rendezvous order. When no worker holds ``min_cached_blocks`` of the prompt (a cold prefix) the
-    rendezvous hash decides, so the first requests of a new prefix still gather on one worker.
+    The scarce resource is cache capacity: a second copy of a prefix on another worker costs its prefill
+    once and then, caches being full, displaces as many blocks of other prefixes, which miss later.
+    So load moves a request off the worker holding its longest prefix only as consistent hashing with
+    bounded loads would: when that worker has more than the rendezvous load bound in flight
+    (``RendezvousRouter.load_bound``). Then, and between equal holders, the cheapest worker wins: the
+    cost, in prefill-token equivalents, is the part of the prompt it would have to compute (the prompt
+    minus its cached prefix, blocks weighted by tier) plus the prompt tokens already queued there plus
+    ``running_cost_tokens`` per running sequence (the larger of its own report and this gateway's
+    in-flight count); ties go to the rendezvous order.
+
+    A cold prefix (no worker holds ``min_cached_blocks`` of it: new, or evicted everywhere) will be hit
+    only as long as the cache it lands in keeps it, so of its two best rendezvous workers (within the
+    load bound) it goes to the one under less *write pressure* (device-pool blocks stored lately, from
+    the KV events): the cache that turns over slower. Two choices, not all workers: every gateway
+    replica sees the same stale pressures for a moment, and two choices per key do not herd new
+    prefixes onto one worker while the index lags. Pressures less than one prompt's blocks apart count
+    as equal and the rendezvous order decides. A placement is remembered (``remembered_placements``
+    keys, per router): until the prefix's blocks reach the index, its next requests follow the first
+    to the same worker even if pressures moved meanwhile, as the plain hash would send them.
     """
 
     running_cost_tokens: float = 8.0  # a decode step is cheap next to prefill (measured: bench.routing)
     min_cached_blocks: int = 1
     fallback: RendezvousRouter = RendezvousRouter()
+    remembered_placements: int = 4096
+    _placed: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # affinity key -> url, LRU
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
@@ -103,13 +125,42 @@ class KVAwareRouter:
         return uncached + worker.queued_prefill_tokens + self.running_cost_tokens * running
 
     def choose(self, request: RouteRequest) -> str:
-        if max(worker.cached_blocks for worker in request.candidates) < self.min_cached_blocks:
-            return self.fallback.choose(request)
+        candidates = request.candidates
+        if max(worker.cached_blocks for worker in candidates) < self.min_cached_blocks:
+            return self.place_cold(request)
         key = request.affinity_key or b""
+        bound = self.fallback.load_bound(candidates)
+        best = max(worker.cached_weighted_blocks for worker in candidates)
+        holders = [w for w in candidates if w.cached_weighted_blocks >= best and w.in_flight <= bound]
         return min(
-            request.candidates,
-            key=lambda w: (self.cost_tokens(request, w), _score(key, w.url)[::-1], w.url),
+            holders or candidates, key=lambda w: (self.cost_tokens(request, w), _rank(key, w.url), w.url)
         ).url
+
+    def place_cold(self, request: RouteRequest) -> str:
+        """The worker for a prefix no worker holds (see the class docstring)."""
+        if request.affinity_key is None:
+            return self.fallback.choose(request)
+        key = request.affinity_key
+        ranked = sorted(request.candidates, key=lambda worker: _rank(key, worker.url))
+        bound = self.fallback.load_bound(ranked)
+        eligible = [worker for worker in ranked if worker.in_flight <= bound] or ranked
+        placed = self._placed.get(key)
+        if placed is not None and any(worker.url == placed for worker in eligible):
+            self._placed.move_to_end(key)
+            return placed
+        choices = eligible[:2]
+        least = min(worker.write_pressure_blocks for worker in choices)
+        tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt will write
+        url = next(worker.url for worker in choices if worker.write_pressure_blocks <= least + tolerance)
+        self._placed[key] = url
+        if len(self._placed) > self.remembered_placements:
+            self._placed.popitem(last=False)
+        return url
+
+
+def _rank(affinity_key: bytes, url: str) -> bytes:
+    """Sort key giving the rendezvous order (best score first)."""
+    return bytes(255 - b for b in _score(affinity_key, url))
 
 
 @dataclass(slots=True)

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import pytest
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.state import METRICS, NEAR_MISS
 from tests.gateway.conftest import ADMIN, create_tenant, make_config
 from tests.gateway.test_gateway_e2e import MODEL
-from tests.gateway.test_gateway_routing_kv import three_workers  # noqa: F401 - fixture
+from tests.gateway.test_gateway_routing_kv import three_workers, wait_until  # noqa: F401 - fixture
 
 BLOCK = 16
+
+
+@pytest.fixture(scope="session")
+def embedding_cache(tmp_path_factory) -> Path:
+    """One data dir for the exported int8 graph, so the session exports it once."""
+    return tmp_path_factory.mktemp("embeddings")
 
 
 async def complete(sdk: AsyncOpenAI, prompt: list[int]) -> dict:
@@ -25,13 +33,23 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
     sqlite_url,
     tmp_path,
     three_workers,  # noqa: F811
+    embedding_cache,
 ):
     # No KV-event index and the rendezvous hash of 4 blocks: the weakest exact signal, so that the
-    # near-miss fallback is what finds the shared prefix.
+    # near-miss fallback is what finds the shared prefix. The wait bound is lifted: this test is about
+    # what near miss finds, not how long it may take (test_near_miss_never_holds_a_request_...).
     config = make_config(
-        sqlite_url, tmp_path, worker_urls=tuple(three_workers), router="rendezvous", kv_index=False
+        sqlite_url,
+        tmp_path,
+        worker_urls=tuple(three_workers),
+        router="rendezvous",
+        kv_index=False,
+        near_miss_cache_dir=str(embedding_cache),
+        near_miss_max_wait_ms=10_000.0,
     )
     client = await aiohttp_client(create_app(config))
+    near_miss = client.app[NEAR_MISS]
+    await near_miss.embedder.warm_up()
     base = str(client.make_url("/v1"))
     near = await create_tenant(client, name="near", near_miss_routing=True)
     other = await create_tenant(client, name="other", near_miss_routing=True)
@@ -47,6 +65,7 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
 
     first = await complete(sdk, variant())
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    await wait_until(lambda: near_miss.num_remembered() == 1)  # remembered in the background
     moved = [await complete(sdk, variant()) for _ in range(5)]
     assert all(u["prompt_tokens_details"]["cached_tokens"] >= 3 * BLOCK for u in moved), moved
     assert sum(u["prefixgate"]["near_miss_tokens"] for u in moved) >= 3 * BLOCK  # some moved for it
@@ -64,7 +83,7 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
     assert usage["prefixgate"]["near_miss_tokens"] == 0 and moves() == moved_before
     # A tenant that did not opt in is never embedded or indexed.
     assert (await complete(sdk_plain, variant()))["prefixgate"]["near_miss_tokens"] == 0
-    assert NEAR_MISS in client.app and client.app[NEAR_MISS].findings(plain["id"]) == []
+    assert await near_miss.findings(plain["id"]) == []
 
     # The diverging span is reported to the tenant (prompt lint) and to admins, never to others.
     lint = await client.post(
@@ -76,21 +95,21 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
     assert findings and findings[0]["position_token"] == 3 * BLOCK
     admin = await (await client.get(f"/admin/v1/tenants/{near['id']}/near-miss", headers=ADMIN)).json()
     assert admin["data"] == findings
-    assert client.app[NEAR_MISS].findings(other["id"]) == []
+    assert await near_miss.findings(other["id"]) == []
     metrics = client.app[METRICS].render()[0].decode()
     assert 'prefixgate_near_miss_routes_total{outcome="moved"}' in metrics
     for s in (sdk, sdk_other, sdk_plain):
         await s.close()
 
 
-async def test_embedding_loads_and_runs_off_the_event_loop():
+async def test_embedding_loads_and_runs_off_the_event_loop(embedding_cache):
     import asyncio
 
     import numpy as np
 
     from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 
-    embedder = PromptEmbedder()
+    embedder = PromptEmbedder(cache_dir=embedding_cache)
     ticks = 0
     done = asyncio.Event()
 
@@ -109,6 +128,7 @@ async def test_embedding_loads_and_runs_off_the_event_loop():
     far = await embedder.embed("Reticulating splines in the quantum chromodynamics lab.")
     assert first.shape == (EMBEDDING_DIM,) and abs(float(np.linalg.norm(first)) - 1) < 1e-4
     assert float(first @ near) > float(first @ far)
+    assert embedder.backend == "onnx-int8"
     embedder.close()
 
 
@@ -122,3 +142,47 @@ def test_the_gateway_imports_neither_torch_nor_the_embedding_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_near_miss_never_holds_a_request_longer_than_its_wait_bound(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    three_workers,  # noqa: F811
+):
+    # The fp32 reference embedder (≥ 15 ms a head) against a 1 ms bound: every embedding is late.
+    config = make_config(
+        sqlite_url,
+        tmp_path,
+        worker_urls=tuple(three_workers),
+        router="rendezvous",
+        kv_index=False,
+        near_miss_embedding="sentence-transformers",
+        near_miss_max_wait_ms=1.0,
+    )
+    client = await aiohttp_client(create_app(config))
+    near_miss = client.app[NEAR_MISS]
+    await near_miss.embedder.warm_up()
+    tenant = await create_tenant(client, name="near", near_miss_routing=True)
+    sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
+    registry = client.app[METRICS].registry
+
+    def sample(name: str, labels: dict | None = None) -> float:
+        return registry.get_sample_value(name, labels or {}) or 0.0
+
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 200) for _ in range(3 * BLOCK)]
+    # Nothing remembered in its namespace yet: nothing to search, so the request is not embedded first.
+    await complete(sdk, shared + [rng.randrange(1, 200) for _ in range(BLOCK)])
+    assert sample("prefixgate_near_miss_embed_seconds_count") == 0
+    await wait_until(lambda: near_miss.num_remembered() == 1)  # embedded after routing, in the background
+    # Now there is something to search, but the embedding misses the bound: the exact route stands at
+    # once, and the prompt is remembered all the same when its embedding lands.
+    # (A prompt sharing nothing with the first: the latest prompts, checked by tokens, nominate nothing.)
+    usage = await complete(sdk, [rng.randrange(1, 200) for _ in range(4 * BLOCK)])
+    assert usage["prefixgate"]["near_miss_tokens"] == 0
+    assert sample("prefixgate_near_miss_routes_total", {"outcome": "late"}) == 1
+    assert sample("prefixgate_near_miss_embed_seconds_count") == 1
+    await wait_until(lambda: near_miss.num_remembered() == 2)
+    assert near_miss.embedder.backend == "sentence-transformers"
+    await sdk.close()

@@ -1,9 +1,10 @@
+import math
 from collections import Counter
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.kv_index import PrefixIndex
+from gateway.kv_index import WRITE_PRESSURE_TAU_S, PrefixIndex
 from gateway.routing import (
     ROUTERS,
     KVAwareRouter,
@@ -109,15 +110,48 @@ def test_kv_aware_prefers_the_cached_prefix_until_load_outweighs_it():
         for w in cold
     ]
     assert router.choose(RouteRequest(affinity_key=None, candidates=warm, num_prompt_tokens=512)) == URLS[2]
-    busy = [
+    # A longer queue alone does not move it: a second copy of the prefix would cost cache room.
+    queued = [
         w
         if w.url != URLS[2]
         else WorkerLoad(
-            url=w.url, in_flight=0, cached_blocks=20, cached_weighted_blocks=20.0, queued_prefill_tokens=4000
+            url=w.url, in_flight=2, cached_blocks=20, cached_weighted_blocks=20.0, queued_prefill_tokens=4000
         )
         for w in warm
     ]
+    assert router.choose(RouteRequest(affinity_key=None, candidates=queued, num_prompt_tokens=512)) == URLS[2]
+    # Over the rendezvous load bound (1.5 x mean in flight + 4), the cheapest worker takes it.
+    busy = [
+        w
+        if w.url != URLS[2]
+        else WorkerLoad(url=w.url, in_flight=20, cached_blocks=20, cached_weighted_blocks=20.0)
+        for w in warm
+    ]
     assert router.choose(RouteRequest(affinity_key=None, candidates=busy, num_prompt_tokens=512)) != URLS[2]
+
+
+def test_kv_aware_places_a_cold_prefix_on_the_less_write_pressed_of_its_two_rendezvous_workers():
+    key = b"cold-prefix-key!"
+    first = RendezvousRouter().choose(RouteRequest(affinity_key=key, candidates=loads(0, 0, 0, 0)))
+    second = RendezvousRouter().choose(
+        RouteRequest(affinity_key=key, candidates=[w for w in loads(0, 0, 0, 0) if w.url != first])
+    )
+
+    def pressured(**by_url: float) -> list[WorkerLoad]:
+        return [WorkerLoad(url=u, in_flight=0, write_pressure_blocks=by_url.get(u, 0.0)) for u in URLS]
+
+    def place(candidates: list[WorkerLoad]) -> str:  # a fresh router: no placement remembered
+        return KVAwareRouter().choose(
+            RouteRequest(affinity_key=key, candidates=candidates, num_prompt_tokens=160)
+        )
+
+    assert place(pressured()) == first  # equal pressure: the rendezvous order
+    assert place(pressured(**{first: 500.0})) == second  # its first choice's cache turns over faster
+    assert place(pressured(**{first: 8.0})) == first  # less than this prompt's 10 blocks apart: equal
+    others = [u for u in URLS if u not in (first, second)]
+    # Never a third worker, however idle its cache: replicas with a stale view do not herd onto it.
+    assert place(pressured(**{first: 500.0, second: 400.0})) == second
+    assert place(pressured(**{first: 500.0, second: 400.0})) not in others
 
 
 def test_baseline_routers_spread_requests():
@@ -139,3 +173,34 @@ def test_index_clears_a_tier_and_resets_when_the_worker_says_so():
     assert (found.num_blocks, found.weighted_blocks) == (1, 0.8)  # a survives in L2, b is gone
     index.apply(URLS[0], {"worker_id": "w0", "last_seq": 9, "reset": True, "events": []})
     assert index.match(URLS[0], [a], ["t-1"]).num_blocks == 0 and index.position(URLS[0]) == ("w0", 9)
+
+
+def test_index_measures_write_pressure_from_new_device_pool_stores_only():
+    index = PrefixIndex()
+    history = [stored(n, bytes([n]) * 32, "t-1") for n in range(1, 6)]
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 8, "events": history})  # catching up: history
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 8, "events": [stored(8, b"h" * 32, "t-1")]})
+    (load,) = index.annotate(loads(0), [], [])
+    assert load.write_pressure_blocks == 0.0  # a replay of what the worker did before we listened
+    fresh = [stored(9, b"x" * 32, "t-1"), stored(10, b"y" * 32, "t-1"), stored(11, b"z" * 32, "t-1", "L2")]
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 11, "events": fresh})
+    (load,) = index.annotate(loads(0), [], [])
+    assert 1.99 < load.write_pressure_blocks <= 2.0  # two new L1 blocks (the L2 copy is a demotion)
+    state = index.workers[URLS[0]]
+    state.pressure_at_s -= WRITE_PRESSURE_TAU_S  # a time constant later
+    assert abs(index.write_pressure(state) - 2.0 / math.e) < 0.01
+
+
+def test_kv_aware_sends_a_cold_prefix_where_it_placed_it_until_the_index_catches_up():
+    router = KVAwareRouter()
+    key = b"new-prefix-key!!"
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+    first = router.choose(RouteRequest(affinity_key=key, candidates=calm, num_prompt_tokens=64))
+    # Other prefixes' blocks reached the index meanwhile and loaded `first` with writes; this prefix's
+    # own blocks have not arrived yet: its next request still follows the first one.
+    pressed = [WorkerLoad(url=u, in_flight=0, write_pressure_blocks=900.0 * (u == first)) for u in URLS]
+    assert router.choose(RouteRequest(affinity_key=key, candidates=pressed, num_prompt_tokens=64)) == first
+    other = router.choose(
+        RouteRequest(affinity_key=b"another-prefix!!", candidates=pressed, num_prompt_tokens=64)
+    )
+    assert other != first  # a new prefix does see the pressure

@@ -1,0 +1,159 @@
+"""Near-miss findings (diverging spans), per tenant: in this process, or in Redis shared by every replica.
+
+A finding is where one of a tenant's prompts parted from a similar earlier one of the same tenant: a
+candidate canonicalization rule (``/v1/prompt-lint``, ``GET /admin/v1/tenants/{id}/near-miss``). Each
+tenant keeps its ``limit`` newest findings, one per (model, position); the key is the tenant id, so no
+tenant ever reads another's. With Redis (``redis_url``) the replicas share them: a finding seen through
+one replica is listed by all. Redis is never on a request's path (findings are recorded in the
+background) and its failure is not fatal: the replica keeps its own copy and serves that meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SUGGESTION = (
+    "if this span varies per request (an id, a date, a counter), move it after the shared prefix or add "
+    "a canonicalization pattern for it"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DivergingSpan:
+    """Where a prompt parted from a similar one of the same tenant: a canonicalization candidate."""
+
+    model_id: str
+    position_token: int  # first token that differs
+    before_text: str  # a few tokens before it (shared)
+    request_text: str  # the request's tokens from there
+    other_text: str  # the similar prompt's tokens from there
+    tokens_after: int  # tokens after the divergence that could not be reused
+    seen_at: float  # unix time
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "position_token": self.position_token,
+            "before": self.before_text,
+            "request": self.request_text,
+            "other": self.other_text,
+            "tokens_after_divergence": self.tokens_after,
+            "suggestion": SUGGESTION,
+            "seen_at": self.seen_at,
+        }
+
+
+class LocalFindings:
+    """This replica's findings: a bounded deque per tenant."""
+
+    def __init__(self, limit: int = 20) -> None:
+        self.limit = limit
+        self._by_tenant: dict[str, deque[DivergingSpan]] = {}
+
+    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
+        """Keep ``span`` unless its (model, position) is kept already; True if it is new."""
+        spans = self._by_tenant.setdefault(tenant_id, deque(maxlen=self.limit))
+        if any(s.position_token == span.position_token and s.model_id == span.model_id for s in spans):
+            return False
+        spans.append(span)
+        return True
+
+    async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
+        """The tenant's findings, newest first."""
+        return [span.to_json() for span in reversed(self._by_tenant.get(tenant_id, ()))]
+
+    async def forget(self, tenant_id: str) -> None:
+        self._by_tenant.pop(tenant_id, None)
+
+    async def close(self) -> None:
+        pass
+
+
+# Add a finding unless its (model, position) is known, then keep the `limit` newest. KEYS: spans hash,
+# order zset (same hash tag). ARGV: field, json, seen_at, limit, ttl_ms.
+_RECORD = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+  local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+  if extra > 0 then
+    local oldest = redis.call('ZPOPMIN', KEYS[2], extra)
+    for i = 1, #oldest, 2 do redis.call('HDEL', KEYS[1], oldest[i]) end
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+return 1
+"""
+
+
+class RedisFindings:
+    """Findings shared by every replica through Redis, with this replica's copy as the fallback."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        limit: int = 20,
+        ttl_s: float = 7 * 24 * 3600.0,
+        key_prefix: str = "prefixgate:near-miss",
+        timeout_s: float = 0.5,
+    ) -> None:
+        import redis.asyncio as redis
+
+        self._redis = redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._record = self._redis.register_script(_RECORD)
+        self._local = LocalFindings(limit)
+        self.limit = limit
+        self._ttl_ms = int(ttl_s * 1000)
+        self._prefix = key_prefix
+        self._warned_at = 0.0
+
+    def _keys(self, tenant_id: str) -> tuple[str, str]:
+        base = f"{self._prefix}:{{{tenant_id}}}"  # one hash tag: both keys on one cluster slot
+        return f"{base}:spans", f"{base}:order"
+
+    def _warn(self, what: str, error: Exception) -> None:
+        if time.monotonic() - self._warned_at > 60:
+            self._warned_at = time.monotonic()
+            log.warning("near-miss findings: Redis %s failed (%s); serving this replica's own", what, error)
+
+    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
+        if not await self._local.record(tenant_id, span):
+            return False  # this replica wrote it already (the same spot recurs with every near miss)
+        field = f"{span.model_id}\0{span.position_token}"
+        try:
+            await self._record(
+                keys=list(self._keys(tenant_id)),
+                args=[field, json.dumps(asdict(span)), span.seen_at, self.limit, self._ttl_ms],
+            )
+        except Exception as error:  # redis.RedisError, OSError, timeouts: the local copy stands
+            self._warn("write", error)
+        return True
+
+    async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
+        """Every replica's findings for the tenant, newest first."""
+        spans_key, order_key = self._keys(tenant_id)
+        try:
+            fields = await self._redis.zrevrange(order_key, 0, self.limit - 1)
+            values = await self._redis.hmget(spans_key, fields) if fields else []
+        except Exception as error:
+            self._warn("read", error)
+            return await self._local.recent(tenant_id)
+        return [DivergingSpan(**json.loads(value)).to_json() for value in values if value is not None]
+
+    async def forget(self, tenant_id: str) -> None:
+        await self._local.forget(tenant_id)
+        try:
+            await self._redis.delete(*self._keys(tenant_id))
+        except Exception as error:
+            self._warn("delete", error)
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,108 @@
+"""Near-miss findings are shared by gateway replicas through Redis, bounded per tenant, never crossed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.app import create_app
+from gateway.near_miss_findings import DivergingSpan, RedisFindings
+from gateway.state import NEAR_MISS
+from tests.gateway.conftest import ADMIN, create_tenant, make_config
+from tests.gateway.test_gateway_near_miss import BLOCK, complete, embedding_cache  # noqa: F401 - fixture
+from tests.gateway.test_gateway_routing_kv import wait_until
+from tests.gateway.test_gateway_routing_redis import redis_url  # noqa: F401 - fixture
+
+
+def span(position: int, seen_at: float) -> DivergingSpan:
+    return DivergingSpan(
+        model_id="m",
+        position_token=position,
+        before_text="shared",
+        request_text="ours",
+        other_text="theirs",
+        tokens_after=10,
+        seen_at=seen_at,
+    )
+
+
+async def test_redis_findings_keep_the_newest_per_tenant_once_per_position(redis_url):  # noqa: F811
+    store = RedisFindings(redis_url, limit=3, key_prefix=f"test-nm-{uuid.uuid4().hex}")
+    reader = RedisFindings(redis_url, limit=3, key_prefix=store._prefix)  # another replica
+    now = time.time()
+    for i, position in enumerate((16, 32, 48, 32, 64, 80)):  # 32 again: already known, not re-added
+        await store.record("tenant-a", span(position, now + i))
+    assert [f["position_token"] for f in await reader.recent("tenant-a")] == [80, 64, 48]
+    assert await reader.recent("tenant-b") == []
+    await reader.forget("tenant-a")
+    assert await store.recent("tenant-a") == []
+    await store.close()
+    await reader.close()
+
+
+async def test_redis_outage_keeps_this_replicas_findings():
+    store = RedisFindings("redis://127.0.0.1:1/0", timeout_s=0.2)  # nothing listens there
+    await store.record("tenant-a", span(16, time.time()))  # does not raise
+    assert [f["position_token"] for f in await store.recent("tenant-a")] == [16]
+    await store.close()
+
+
+async def findings_of(client, tenant: dict) -> list[dict]:
+    response = await client.get(f"/admin/v1/tenants/{tenant['id']}/near-miss", headers=ADMIN)
+    assert response.status == 200
+    return (await response.json())["data"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_near_miss_seen_by_one_replica_is_listed_by_the_other(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    worker_url,
+    redis_url,  # noqa: F811
+    embedding_cache,  # noqa: F811
+):
+    def config(name: str):
+        return make_config(
+            sqlite_url,
+            tmp_path / name,
+            worker_urls=(worker_url,),
+            router="rendezvous",
+            kv_index=False,
+            redis_url=redis_url,
+            near_miss_cache_dir=str(embedding_cache),
+            near_miss_max_wait_ms=10_000.0,
+        )
+
+    a = await aiohttp_client(create_app(config("a")))
+    b = await aiohttp_client(create_app(config("b")))
+    await a.app[NEAR_MISS].embedder.warm_up()
+    near = await create_tenant(a, name="near", near_miss_routing=True)
+    other = await create_tenant(a, name="other", near_miss_routing=True)
+    sdk = AsyncOpenAI(base_url=str(a.make_url("/v1")), api_key=near["api_key"], max_retries=0)
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 200) for _ in range(3 * BLOCK)]
+    await complete(sdk, shared + [rng.randrange(1, 200) for _ in range(3 * BLOCK)])
+    await wait_until(lambda: a.app[NEAR_MISS].num_remembered() == 1)
+    await complete(sdk, shared + [rng.randrange(1, 200) for _ in range(3 * BLOCK)])  # parts at token 48
+
+    deadline = time.monotonic() + 10
+    while not (listed := await findings_of(b, near)):
+        assert time.monotonic() < deadline, "replica b never listed the finding"
+        await asyncio.sleep(0.05)
+    assert listed[0]["position_token"] == 3 * BLOCK
+    assert b.app[NEAR_MISS].num_remembered() == 0  # b saw no request: the finding came through Redis
+    assert await findings_of(a, near) == listed
+    lint = await b.post(
+        "/v1/prompt-lint",
+        json={"model": "random-tiny", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {near['api_key']}"},
+    )
+    assert (await lint.json())["near_miss_findings"] == listed
+    assert await findings_of(b, other) == [] and await findings_of(a, other) == []  # never another's
+    await sdk.close()
