@@ -85,6 +85,7 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefill_tokens_per_s = 0.0
+        self.kv_events = KVEventLog()  # before the store: the disk tier announces the files it finds
         self.store = self._make_store(bytes_per_block)
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.block_manager = BlockManager(
@@ -93,7 +94,6 @@ class Engine:
             eviction_policy=config.eviction_policy,
             on_evict=self.store.demote_from_l1 if self.store else None,
         )
-        self.kv_events = KVEventLog()
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
@@ -155,6 +155,7 @@ class Engine:
             bytes_per_block=bytes_per_block,
             prefill_tokens_per_s=lambda: self.prefill_tokens_per_s,
             post=self._inbox.put,
+            kv_events=self.kv_events,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------------

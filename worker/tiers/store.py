@@ -28,6 +28,7 @@ import torch
 
 from policies.hashing import BlockHash
 from worker.block_manager import Block, BlockManager
+from worker.kv_events import KVEventLog, TierEvents
 from worker.output import SOURCES
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.disk import DiskTier
@@ -105,6 +106,7 @@ class TieredStore:
         bytes_per_block: int,
         prefill_tokens_per_s: Callable[[], float],
         post: Callable[[tuple[str, Any]], None],
+        kv_events: KVEventLog | None = None,
     ) -> None:
         self.config = config
         self.block_shape = tuple(kv_cache.shape[1:])
@@ -135,6 +137,7 @@ class TieredStore:
                 eviction_policy=config.eviction_policy,
                 min_free_bytes=config.l3_min_free_bytes,
                 cipher=cipher,
+                events=TierEvents(kv_events, "L3") if kv_events is not None else None,
             )
         self.remote = None
         if config.remote_url:
@@ -149,7 +152,9 @@ class TieredStore:
                 timeout_s=config.remote_timeout_s,
                 cipher=cipher,
                 pause_after_error_s=config.remote_pause_s,
+                events=TierEvents(kv_events, "remote") if kv_events is not None else None,
             )
+            self.remote.identify()
         self.bandwidth = {
             "l2": Bandwidth(self._calibrate_copy()),
             "l3": Bandwidth(500e6),
@@ -392,6 +397,12 @@ class TieredStore:
         self._writer.join(timeout=30)
         self._readers.shutdown(wait=True)
         self.copier.close()
+
+    def remote_tier(self) -> dict[str, Any] | None:
+        """The shared Redis tier as KV-event consumers see it: its id and how long a block lives unread."""
+        if self.remote is None or self.remote.tier_id is None:
+            return None
+        return {"id": self.remote.tier_id, "ttl_s": self.config.remote_ttl_s}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
