@@ -202,7 +202,14 @@ class TieredStore:
         record = BlockRecord(
             block_hash=block.block_hash, parent_hash=block.parent_hash, token_ids=block.token_ids
         )
-        self.l2.put(record, block.namespace_id, 0, self.copier.kv_cache[block.block_id])
+        data = self.copier.kv_cache[block.block_id]
+        if self.l2.put(record, block.namespace_id, 0, data) is None and block.block_hash not in self.l2:
+            # Every L2 slot is pinned by a load in flight: write the block through to disk and Redis
+            # rather than lose it (the slot in L1 is reused at once, so this is a copy).
+            victim = DemotedBlock(
+                record=record, namespace_id=block.namespace_id, position=0, data=data.to("cpu", copy=True)
+            )
+            self._enqueue_demotion([victim])
 
     def _enqueue_demotion(self, blocks: list[DemotedBlock]) -> None:
         if self.disk is None and self.remote is None:
@@ -313,12 +320,14 @@ class TieredStore:
 
     def finish_prefetch(self, result: PrefetchResult) -> dict[BlockHash, str]:
         """Offer fetched blocks to L2 (the request keeps its own copy); returns each block's origin tier."""
-        origins: dict[BlockHash, str] = {}
-        for i, record in enumerate(result.records):
-            assert result.data is not None
-            self.l2.put(record, result.namespace_ids[i], result.start + i, result.data[i])
-            origins[record.block_hash] = result.sources[i]
-        return origins
+        if not result.records:
+            return {}
+        assert result.data is not None
+        positions = range(result.start, result.start + len(result.records))
+        self.l2.put_many(result.records, result.namespace_ids, positions, result.data)
+        return {
+            record.block_hash: source for record, source in zip(result.records, result.sources, strict=True)
+        }
 
     # ---- admission ---------------------------------------------------------------------------------
     def match_l2(self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
