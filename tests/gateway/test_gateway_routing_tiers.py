@@ -170,3 +170,44 @@ async def test_redis_blocks_route_to_another_worker_sharing_that_redis(
             stats = await response.json()
         assert stats["tiers"]["hits_blocks"]["remote"] == 5
     await sdk.close()
+
+
+def test_index_credits_shared_redis_blocks_by_tier_id_namespace_and_ttl():
+    from gateway.kv_index import TIER_WEIGHTS, PrefixIndex
+
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    h1, h2 = b"\x01" * 32, b"\x02" * 32
+    stored = {
+        "seq": 1,
+        "type": "BlockStored",
+        "medium": "remote",
+        "block_hashes": [h1.hex()],
+        "namespace_id": "t-a",
+    }
+    stored2 = {**stored, "seq": 2, "block_hashes": [h2.hex()], "parent_block_hash": h1.hex()}
+    tier = {"id": "tier-1", "ttl_s": 60}
+    index.apply("http://writer", {"worker_id": "w", "events": [stored, stored2], "remote_tier": tier})
+    index.apply("http://peer", {"worker_id": "p", "events": [], "remote_tier": tier})
+    index.apply("http://other-redis", {"worker_id": "o", "events": [], "remote_tier": {"id": "tier-2"}})
+    index.apply("http://no-redis", {"worker_id": "n", "events": [], "remote_tier": None})
+    found = index.match("http://peer", [h1, h2], ["t-a", "t-a"])
+    assert (found.num_blocks, found.weighted_blocks) == (2, pytest.approx(2 * TIER_WEIGHTS["remote"]))
+    for url in ("http://other-redis", "http://no-redis"):
+        assert index.match(url, [h1, h2], ["t-a", "t-a"]).num_blocks == 0
+    assert index.match("http://peer", [h1, h2], ["t-b", "t-b"]).num_blocks == 0  # another namespace
+    # A worker's own L1 copy outweighs the shared one; a removal by any sharing worker applies to all.
+    l1 = {"seq": 1, "type": "BlockStored", "medium": "L1", "block_hashes": [h1.hex()], "namespace_id": "t-a"}
+    index.apply("http://peer", {"worker_id": "p", "events": [l1], "remote_tier": tier})
+    assert index.match("http://peer", [h1, h2], ["t-a", "t-a"]).weighted_blocks == pytest.approx(1.0 + 0.3)
+    removed = {"seq": 2, "type": "BlockRemoved", "medium": "remote", "block_hashes": [h2.hex()]}
+    index.apply("http://peer", {"worker_id": "p", "events": [removed], "remote_tier": tier})
+    assert index.match("http://writer", [h1, h2], ["t-a", "t-a"]).num_blocks == 1
+    # The writer is dropped (dead): what it wrote is still in Redis, until the TTL passes unannounced.
+    index.drop("http://writer")
+    assert index.match("http://peer", [h1], ["t-a"]).num_blocks == 1
+    index.drop("http://peer")
+    index.apply("http://peer", {"worker_id": "p2", "events": [], "remote_tier": tier})
+    assert index.match("http://peer", [h1], ["t-a"]).num_blocks == 1
+    now[0] += 61
+    assert index.match("http://peer", [h1], ["t-a"]).num_blocks == 0
