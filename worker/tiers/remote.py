@@ -110,11 +110,16 @@ class RemoteTier:
         """
         if self.tier_id is None and self.available:
             key = f"{self.prefix}:tier-id"
-            try:
-                self.client.set(key, os.urandom(12).hex(), nx=True)
-                raw = self.client.get(key)
-            except ERRORS as exc:
-                self._failed(exc)
+            try:  # one round trip
+                _, raw = (
+                    self.client.pipeline(transaction=False)
+                    .set(key, os.urandom(12).hex(), nx=True)
+                    .get(key)
+                    .execute()
+                )
+            except ERRORS as exc:  # asked again on the next write; the data path decides about pausing
+                self.counters["identify_errors_total"] += 1
+                log.info("remote KV tier id not read yet: %s", exc)
                 return None
             self.tier_id = raw.decode() if raw else None
         return self.tier_id
