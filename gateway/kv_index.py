@@ -5,6 +5,10 @@ was stored under, plus the last load the worker reported. A request's prefix has
 own namespace key, so another tenant's blocks can never match) are looked up block by block from the
 first one; the match stops at the first block the worker lacks. A worker that stops answering its
 event stream, or restarts, is dropped from the index at once.
+
+Blocks in the Redis tier (``remote`` events) live outside any one worker: they are kept per Redis tier
+id, and every worker reporting that id (``remote_tier`` in its event batches) is credited with them at
+the ``remote`` weight, until the tier's TTL passes without the block being announced again.
 """
 
 from __future__ import annotations
@@ -53,13 +57,22 @@ class WorkerIndex:
     caught_up: bool = False  # reached the worker's newest event once: later stores are new writes
     blocks: dict[bytes, CachedBlock] = field(default_factory=dict)
     load: WorkerLoadReport = field(default_factory=WorkerLoadReport)
+    remote_tier: str | None = None  # id of the Redis tier the worker shares with others (if any)
+
+
+@dataclass(slots=True)
+class SharedBlock:
+    namespace_id: str
+    expires_s: float  # monotonic: the tier's TTL after the last announcement
 
 
 class PrefixIndex:
     """Block hashes cached per worker url, fed by KV events."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.monotonic) -> None:
         self.workers: dict[str, WorkerIndex] = {}
+        self.shared: dict[str, dict[bytes, SharedBlock]] = {}  # Redis tier id -> its blocks
+        self._clock = clock
 
     def drop(self, url: str) -> None:
         """Forget a worker (dead, restarted, or its event stream broke)."""
@@ -75,8 +88,13 @@ class PrefixIndex:
         state = self.workers.get(url)
         if state is None or state.worker_id != batch["worker_id"] or batch.get("reset"):
             state = self.workers[url] = WorkerIndex(worker_id=batch["worker_id"])
+        tier = batch.get("remote_tier") or {}
+        state.remote_tier = tier.get("id")
         for event in batch["events"]:
-            self._apply_event(state, event)
+            if event.get("medium") == "remote":
+                self._apply_shared(tier, event)
+            else:
+                self._apply_event(state, event)
             state.last_seq = event["seq"]
         if not batch["events"] and batch.get("reset"):
             state.last_seq = batch["last_seq"]
@@ -119,6 +137,25 @@ class PrefixIndex:
             elif kind == "BlockRemoved":
                 PrefixIndex._remove(state, block_hash, medium)
 
+    def _apply_shared(self, tier: Mapping[str, Any], event: Mapping[str, Any]) -> None:
+        if not tier.get("id"):
+            return  # not reachable from the worker's tier id: nothing to credit it to
+        blocks = self.shared.setdefault(tier["id"], {})
+        expires_s = self._clock() + float(tier.get("ttl_s", 3600))
+        if event["type"] == "AllBlocksCleared":
+            blocks.clear()
+        for hex_hash in event.get("block_hashes", ()):
+            if event["type"] == "BlockStored":
+                blocks[bytes.fromhex(hex_hash)] = SharedBlock(event["namespace_id"], expires_s)
+            elif event["type"] == "BlockRemoved":
+                blocks.pop(bytes.fromhex(hex_hash), None)
+
+    def _shared_weight(self, state: WorkerIndex, block_hash: bytes, namespace_id: str) -> float:
+        block = self.shared.get(state.remote_tier or "", {}).get(block_hash)
+        if block is None or block.namespace_id != namespace_id or block.expires_s < self._clock():
+            return 0.0
+        return TIER_WEIGHTS["remote"]
+
     @staticmethod
     def _remove(state: WorkerIndex, block_hash: bytes, medium: str) -> None:
         block = state.blocks.get(block_hash)
@@ -134,10 +171,12 @@ class PrefixIndex:
         if state is not None:
             for block_hash, namespace_id in zip(hashes, namespace_ids, strict=True):
                 block = state.blocks.get(block_hash)
-                if block is None or block.namespace_id != namespace_id:
+                shared = self._shared_weight(state, block_hash, namespace_id)
+                own = block is not None and block.namespace_id == namespace_id
+                if not own and not shared:
                     break
                 num += 1
-                weighted += max(TIER_WEIGHTS.get(m, 0.0) for m in block.media)
+                weighted += max(shared, *(TIER_WEIGHTS.get(m, 0.0) for m in block.media)) if own else shared
         return PrefixMatch(num_blocks=num, weighted_blocks=weighted)
 
     def annotate(

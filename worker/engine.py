@@ -19,10 +19,11 @@ from typing import Any
 import blake3
 import torch
 
-from policies.hashing import NamespaceKey, NamespaceSegment, block_hashes, segment_at
+from policies.hashing import NamespaceKey, NamespaceSegment
 from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
+from worker.engine_tiers import close_store, finish_prefetch, make_store, purge_remote, start_prefetch
 from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
@@ -30,7 +31,6 @@ from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
-from worker.protocol import SEED_MAX, SEED_MIN
 from worker.request_io import (
     CommandFailed,
     Handle,
@@ -44,9 +44,8 @@ from worker.request_io import (
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.structured import GrammarCompiler, GrammarError
-from worker.tiers.remote import RemoteUnavailable
-from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
 from worker.tokenizer import IncrementalDetokenizer
+from worker.validation import validate_request
 from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("prefixgate.worker")
@@ -85,7 +84,16 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefill_tokens_per_s = 0.0
-        self.store = self._make_store(bytes_per_block)
+        self.kv_events = KVEventLog()  # before the store: the disk tier announces the files it finds
+        self.store = make_store(
+            config,
+            fingerprint=self.fingerprint,
+            kv_cache=self.runner.kv_cache,
+            bytes_per_block=bytes_per_block,
+            prefill_tokens_per_s=lambda: self.prefill_tokens_per_s,
+            post=self._inbox.put,
+            kv_events=self.kv_events,
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size)
         self.block_manager = BlockManager(
             num_blocks,
@@ -93,7 +101,6 @@ class Engine:
             eviction_policy=config.eviction_policy,
             on_evict=self.store.demote_from_l1 if self.store else None,
         )
-        self.kv_events = KVEventLog()
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
@@ -129,34 +136,6 @@ class Engine:
         self.queue_time = LatencyHistogram()
         self.ttft = LatencyHistogram()
 
-    def _make_store(self, bytes_per_block: int) -> TieredStore | None:
-        cfg = self.config
-        if cfg.l2_bytes <= 0 and cfg.disk_dir() is None and not cfg.remote_url:
-            return None
-        tiers = TierConfig(
-            l2_bytes=max(cfg.l2_bytes, bytes_per_block),
-            l3_dir=cfg.disk_dir(),
-            l3_bytes=cfg.l3_bytes,
-            l3_codec=cfg.l3_codec,
-            l3_min_free_bytes=cfg.l3_min_free_bytes,
-            remote_url=cfg.remote_url,
-            remote_bytes=cfg.remote_bytes,
-            remote_ttl_s=float(cfg.remote_ttl_s),
-            remote_timeout_s=cfg.remote_timeout_ms / 1000,
-            remote_pause_s=cfg.remote_pause_s,
-            remote_codec=cfg.remote_codec,
-            eviction_policy=cfg.eviction_policy,
-            at_rest_key=cfg.at_rest_key,
-        )
-        return TieredStore(
-            tiers,
-            fingerprint=self.fingerprint,
-            kv_cache=self.runner.kv_cache,
-            bytes_per_block=bytes_per_block,
-            prefill_tokens_per_s=lambda: self.prefill_tokens_per_s,
-            post=self._inbox.put,
-        )
-
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._warmup()
@@ -172,14 +151,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.store is not None:
-            if self.config.flush_on_stop:
-                try:
-                    log.info(
-                        "flushed %d cached blocks to the disk tier", self.store.flush(self.block_manager)
-                    )
-                except Exception:
-                    log.exception("flushing the KV cache to disk failed")
-            self.store.close()
+            close_store(self.store, self.block_manager, flush=self.config.flush_on_stop)
 
     @property
     def alive(self) -> bool:
@@ -202,25 +174,12 @@ class Engine:
     # ---- public API (event-loop side) --------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise RequestError for a request that cannot be served as given."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt must contain at least one token")
-        vocab = self.loaded.config.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise RequestError(f"token ids must be in [0, {vocab})")
-        if sampling.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1")
-        if any(not (0 <= token < vocab) for token, _ in sampling.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
-        if not (0.0 <= sampling.temperature <= 100.0 and 0.0 < sampling.top_p <= 1.0 and sampling.top_k >= 0):
-            raise RequestError("temperature must be in [0, 100], top_p in (0, 1], top_k at least 0")
-        if sampling.seed is not None and not SEED_MIN <= sampling.seed <= SEED_MAX:
-            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
-        total = len(prompt_token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"exceeds the context window of {self.max_model_len} tokens"
-            )
+        validate_request(
+            prompt_token_ids,
+            sampling,
+            vocab_size=self.loaded.config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     async def generate(
         self,
@@ -298,14 +257,7 @@ class Engine:
             erased = await done
         except CommandFailed as exc:
             erased, failed["local"] = {}, str(exc)
-        if self.store is not None:
-            try:  # Redis can be slow: not on the engine thread
-                remote = await asyncio.to_thread(self.store.purge_remote, namespace_id)
-            except RemoteUnavailable as exc:
-                failed["remote"] = str(exc)
-            else:
-                if remote is not None:
-                    erased["remote"] = remote
+        await purge_remote(self.store, namespace_id, erased, failed)
         return erased, failed
 
     def stats(self) -> dict[str, Any]:
@@ -408,17 +360,13 @@ class Engine:
                         self.store.set_reservation(segment.namespace_id, granted)
             self._sequences[seq.request_id] = seq
             if seq.use_cache and self.store is not None:
-                self._start_prefetch(seq)
+                start_prefetch(self.store, self.block_manager, seq, fingerprint=self.fingerprint)
             self.scheduler.add(seq)
             self.counters["requests_total"] += 1
             self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
         elif command == "prefetched":
-            result: PrefetchResult = arg
-            waiting = self._sequences.get(result.request_id)
-            if waiting is not None and self.store is not None:
-                waiting.block_origins.update(self.store.finish_prefetch(result))
-                waiting.prefetched = result if result.records else None
-                waiting.prefetching = False
+            if self.store is not None:
+                finish_prefetch(self.store, self._sequences.get(arg.request_id), arg)
         elif command == "purge":
             namespace_id, loop, done = arg
             erased = {"l1": self.block_manager.purge(namespace_id)}
@@ -432,20 +380,6 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
                 self.runner.forget(seq)
                 self.counters["requests_aborted"] += 1
-
-    def _start_prefetch(self, seq: Sequence) -> None:
-        """Look the prompt up in every tier now; fetch what only disk or Redis hold while it waits."""
-        assert self.store is not None
-        bs = self.config.block_size
-        seq.block_hashes = block_hashes(seq.prompt_token_ids, bs, self.fingerprint, seq.segments)
-        tokens = seq.prompt_token_ids
-        token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
-        namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
-        num_l1 = len(self.block_manager.match_prefix(seq.block_hashes, token_blocks))
-        plan = self.store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
-        if plan is not None:
-            seq.prefetching = True
-            self.store.start_prefetch(plan)
 
     def _step(self) -> bool:
         """Run one engine step; returns False when nothing could run (waiting on I/O)."""

@@ -1,8 +1,11 @@
 """KV events: what the worker's prefix cache gained and lost, for the gateways' routing index.
 
 The shape follows vLLM's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) with two
-additions: every event names its tier (``medium``: ``L1`` device pool, ``L2`` host DRAM) and the
-namespace id of the stored block, so a gateway index can never mix namespaces. Events carry
+additions: every event names its tier (``medium``: ``L1`` device pool, ``L2`` host DRAM, ``L3`` disk,
+``remote`` the Redis tier shared by workers) and the namespace id of the stored block, so a gateway index
+can never mix namespaces. Disk events include the files found at start-up (a restarted worker announces
+what its disk holds); ``remote`` events say what this worker wrote to, evicted from or purged in the
+shared Redis, and the gateway credits them to every worker reporting the same ``remote_tier`` id. Events carry
 consecutive sequence numbers; a consumer asks for everything after the last one it applied
 (``GET /v1/kv_events?since=N``) and so replays what it missed while disconnected. The log is a bounded
 ring: a consumer that fell further behind than the ring gets ``reset: true`` and must drop what it
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +33,7 @@ ALL_BLOCKS_CLEARED = "AllBlocksCleared"
 class KVEvent:
     seq: int  # consecutive from 1 for one worker process
     kind: str  # BLOCK_STORED | BLOCK_REMOVED | ALL_BLOCKS_CLEARED
-    medium: str  # tier: "L1" | "L2"
+    medium: str  # tier: "L1" | "L2" | "L3" | "remote"
     block_hash: BlockHash | None = None  # None for ALL_BLOCKS_CLEARED
     parent_hash: BlockHash | None = None  # stored blocks only (None: first block of a chain)
     namespace_id: str = ""  # stored blocks only
@@ -100,6 +104,23 @@ def attach(log: KVEventLog, index: Any, medium: str) -> None:
         medium, block.block_hash, block.parent_hash, block.namespace_id
     )
     index.on_uncached = lambda block: log.removed(medium, block.block_hash)
+
+
+class TierEvents:
+    """One tier's view of the log: what the disk and Redis tiers call when their content changes."""
+
+    def __init__(self, log: KVEventLog, medium: str) -> None:
+        self._log = log
+        self.medium = medium
+
+    def stored(self, namespace_id: str, records: Iterable[Any]) -> None:
+        """Blocks now held (``BlockRecord``s: hash and parent), in chain order."""
+        for record in records:
+            self._log.stored(self.medium, record.block_hash, record.parent_hash, namespace_id)
+
+    def removed(self, block_hashes: Iterable[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            self._log.removed(self.medium, block_hash)
 
 
 def engine_load(engine: Any) -> dict[str, int]:

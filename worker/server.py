@@ -246,6 +246,7 @@ async def kv_events(request: web.Request) -> web.Response:
             "reset": batch.reset,
             "events": [event.to_json() for event in batch.events],
             "load": engine_load(engine),
+            "remote_tier": engine.store.remote_tier() if engine.store is not None else None,
         }
     )
 

@@ -4,7 +4,9 @@ Layout: ``<root>/<fingerprint[:16]>/<namespace_id>/<first block hash>.kv``. Each
 (``worker.tiers.entry``): a run of consecutive blocks of one chain, written atomically (temp file, fsync,
 rename). On start the index is rebuilt from the headers; files of another model fingerprint, corrupt or
 truncated files are deleted and counted. Files are the eviction unit, leaf-first: a file whose blocks are
-the parents of another file's first block stays until that file is gone. Thread-safe: the writer thread,
+the parents of another file's first block stays until that file is gone. Every file registered
+(written, or found at start-up) and dropped (evicted, purged, damaged) is published as ``L3`` KV events.
+Thread-safe: the writer thread,
 prefetch readers and the engine thread share it under one lock.
 """
 
@@ -27,6 +29,7 @@ import torch
 
 from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.hashing import BlockHash
+from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
@@ -93,8 +96,10 @@ class DiskTier:
         pause_after_error_s: float = 30.0,
         min_free_bytes: int = 256 << 20,
         cipher: AtRestCipher | None = None,
+        events: TierEvents | None = None,
     ) -> None:
         self.dir = root / fingerprint.hex()[:16]
+        self.events = events  # KV events ("L3"): every file registered or dropped, start-up scan included
         self.fingerprint = fingerprint
         self.codec = get_codec(codec)
         self.block_shape = block_shape
@@ -174,6 +179,8 @@ class DiskTier:
                 position=0, parent=BlockId(parent_file[0]) if parent_file else None, namespace_id=namespace_id
             )
             self.policy.on_insert(BlockId(file_id), meta, time.monotonic())
+            if self.events is not None:  # under the lock: events come in the order the index changed
+                self.events.stored(namespace_id, records)
 
     def _drop(self, file_id: int, *, unlink: bool = True) -> int:
         """Forget (and delete) one file; returns its number of blocks. Caller holds the lock."""
@@ -189,6 +196,8 @@ class DiskTier:
             self.policy.on_remove(BlockId(file_id))
         if unlink:
             info.path.unlink(missing_ok=True)
+        if self.events is not None:  # evicted, purged, damaged or forgotten: gone from the index
+            self.events.removed(record.block_hash for record in info.records)
         return len(info.records)
 
     def __contains__(self, block_hash: BlockHash) -> bool:

@@ -93,6 +93,56 @@ class HostTier:
         self.num_stored += 1
         return slot
 
+    def put_many(
+        self,
+        records: Sequence[BlockRecord],
+        namespace_ids: Sequence[str],
+        positions: Sequence[int],
+        data: torch.Tensor,
+    ) -> list[int | None]:
+        """Copy a run of one chain in, parents first (a prefetched chain); returns each block's slot.
+
+        The blocks stay referenced until the whole run is in, so (a) the run's head is what is kept when
+        L2 cannot hold all of it (a tail without its head can never be matched) and (b) each block is
+        linked to an already pinned parent in O(1): offering blocks one ``put`` at a time walked the chain
+        up and down on every block, quadratic in its length (measured by ``bench.tiers``). Blocks already
+        here, or beyond what L2 can free, get None.
+        """
+        slots: list[int | None] = []
+        taken: list[int] = []
+        try:
+            for record, namespace_id, position, block in zip(
+                records, namespace_ids, positions, data, strict=True
+            ):
+                if record.block_hash in self.index.hash_to_block_id:
+                    slots.append(None)
+                    continue
+                if not self.index.num_free_blocks:
+                    self.index.reclaim(self.evict_batch, namespace_id)
+                    self._flush_victims()
+                    if not self.index.num_free_blocks:
+                        slots.extend([None] * (len(records) - len(slots)))
+                        break
+                slot = self.index.allocate(namespace_id)
+                taken.append(slot)
+                self.data[slot].copy_(block)
+                if not self.index.cache(
+                    slot,
+                    record.block_hash,
+                    record.token_ids,
+                    record.parent_hash,
+                    namespace_id=namespace_id,
+                    position=position,
+                ):
+                    slots.append(None)  # stays private: freed by the release below
+                    continue
+                self._positions[slot] = position
+                self.num_stored += 1
+                slots.append(slot)
+        finally:
+            self.index.release(taken)  # leaf first
+        return slots
+
     def pin(self, slots: Sequence[int]) -> None:
         """Keep ``slots`` from eviction while they are copied out (a hit)."""
         self.index.acquire(slots)

@@ -6,11 +6,17 @@ namespace, hash, tokens, checksum). The byte budget is enforced by an LRU kept i
 of keys by last use and a hash of their sizes, trimmed atomically by a Lua script on every write) plus a
 TTL. Every call has a short timeout; an error or timeout is a miss and pauses the tier for a few seconds,
 so a slow or stopped Redis never fails a request.
+
+KV events (``remote``): the blocks this worker writes (and re-reads, which refreshes their TTL), and the
+keys its writes evict, its reads find damaged or its purges erase. Every worker of one model sharing
+this Redis reports the same tier id (``identify``: a random id stored in Redis by the first one), so the
+gateway credits a block announced by one of them to all of them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -19,6 +25,7 @@ import redis
 import torch
 
 from policies.hashing import BlockHash
+from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
@@ -32,7 +39,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[1]))
 local total = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]) - (tonumber(old) or 0))
-local evicted = 0
+local evicted = {}
 while total > tonumber(ARGV[4]) do
   local victims = redis.call('ZPOPMIN', KEYS[2], 16)
   if #victims == 0 then break end
@@ -41,7 +48,7 @@ while total > tonumber(ARGV[4]) do
     redis.call('HDEL', KEYS[3], victims[i])
     redis.call('DEL', victims[i])
     total = redis.call('DECRBY', KEYS[4], size)
-    evicted = evicted + 1
+    evicted[#evicted + 1] = victims[i]
   end
 end
 return evicted
@@ -68,7 +75,10 @@ class RemoteTier:
         timeout_s: float,
         pause_after_error_s: float = 5.0,
         cipher: AtRestCipher | None = None,
+        events: TierEvents | None = None,
     ) -> None:
+        self.events = events
+        self.tier_id: str | None = None  # shared by every worker of this model on this Redis (identify)
         self.cipher = cipher  # entries sealed per namespace (AES-GCM) when set
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.fingerprint = fingerprint
@@ -91,6 +101,32 @@ class RemoteTier:
 
     def key(self, namespace_id: str, block_hash: BlockHash) -> str:
         return f"{self.prefix}:{namespace_id}:{block_hash.hex()}"
+
+    def identify(self) -> str | None:
+        """The tier id shared by every worker of this model using this Redis (None while unreachable).
+
+        The first worker to ask stores a random id (``SET NX``); the others read it. A block one of them
+        announces is reachable by all of them, so the gateway credits it to every worker with this id.
+        """
+        if self.tier_id is None and self.available:
+            key = f"{self.prefix}:tier-id"
+            try:  # one round trip
+                _, raw = (
+                    self.client.pipeline(transaction=False)
+                    .set(key, os.urandom(12).hex(), nx=True)
+                    .get(key)
+                    .execute()
+                )
+            except ERRORS as exc:  # asked again on the next write; the data path decides about pausing
+                self.counters["identify_errors_total"] += 1
+                log.info("remote KV tier id not read yet: %s", exc)
+                return None
+            self.tier_id = raw.decode() if raw else None
+        return self.tier_id
+
+    def _announce_removed(self, keys: Sequence[bytes | str]) -> None:
+        if self.events is not None:
+            self.events.removed(_hash_of(key) for key in keys)
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
         """Give a dedicated owner its own LRU partition of ``num_bytes``: others' writes never evict it."""
@@ -120,6 +156,7 @@ class RemoteTier:
         """Store blocks (writer thread); returns how many were written."""
         if not blocks or not self.available:
             return 0
+        self.identify()
         payloads = self.codec.encode(torch.stack([b.data for b in blocks]))
         now_ms = int(time.time() * 1000)
         try:
@@ -144,7 +181,11 @@ class RemoteTier:
             self._failed(exc)
             return 0
         self.counters["blocks_written_total"] += len(blocks)
-        self.counters["blocks_evicted_total"] += sum(int(e) for e in evicted)
+        self.counters["blocks_evicted_total"] += sum(len(keys) for keys in evicted)
+        if self.events is not None:
+            for block in blocks:
+                self.events.stored(block.namespace_id, [block.record])
+            self._announce_removed([key for keys in evicted for key in keys])
         return len(blocks)
 
     def get_run(
@@ -190,6 +231,7 @@ class RemoteTier:
                         log.warning("dropping damaged remote KV entry %s: %s", keys[offset], exc)
                         self.client.delete(keys[offset])
                         self.counters["corrupt_deleted_total"] += 1
+                        self._announce_removed([keys[offset]])
                         break
                     records.append(record)
                     found += 1
@@ -208,6 +250,9 @@ class RemoteTier:
             return [], None
         if not records:
             return records, None
+        if self.events is not None:  # the hit refreshed their TTL: the gateway keeps crediting them
+            for namespace_id, record in zip(namespace_ids, records, strict=False):
+                self.events.stored(namespace_id, [record])
         self.counters["blocks_read_total"] += len(records)
         return records, self.codec.decode(
             bytearray(b"".join(chunks)), len(records), self.block_shape, self.dtype
@@ -236,6 +281,8 @@ class RemoteTier:
                     if size:
                         self.client.decrby(total, int(size))
                 erased += int(deleted)
+                if deleted:
+                    self._announce_removed([key])
         except ERRORS as exc:
             self._failed(exc)
             raise RemoteUnavailable(f"Redis failed after erasing {erased} blocks: {exc}") from exc
@@ -243,3 +290,9 @@ class RemoteTier:
 
     def stats(self) -> dict[str, int]:
         return {"available": int(self.available), "budget_bytes": self.budget_bytes, **self.counters}
+
+
+def _hash_of(key: bytes | str) -> BlockHash:
+    """The block hash at the end of a block key (``…:<namespace_id>:<hash hex>``)."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return BlockHash(bytes.fromhex(text.rsplit(":", 1)[1]))

@@ -28,6 +28,7 @@ import torch
 
 from policies.hashing import BlockHash
 from worker.block_manager import Block, BlockManager
+from worker.kv_events import KVEventLog, TierEvents
 from worker.output import SOURCES
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.disk import DiskTier
@@ -105,6 +106,7 @@ class TieredStore:
         bytes_per_block: int,
         prefill_tokens_per_s: Callable[[], float],
         post: Callable[[tuple[str, Any]], None],
+        kv_events: KVEventLog | None = None,
     ) -> None:
         self.config = config
         self.block_shape = tuple(kv_cache.shape[1:])
@@ -135,6 +137,7 @@ class TieredStore:
                 eviction_policy=config.eviction_policy,
                 min_free_bytes=config.l3_min_free_bytes,
                 cipher=cipher,
+                events=TierEvents(kv_events, "L3") if kv_events is not None else None,
             )
         self.remote = None
         if config.remote_url:
@@ -149,7 +152,9 @@ class TieredStore:
                 timeout_s=config.remote_timeout_s,
                 cipher=cipher,
                 pause_after_error_s=config.remote_pause_s,
+                events=TierEvents(kv_events, "remote") if kv_events is not None else None,
             )
+            self.remote.identify()
         self.bandwidth = {
             "l2": Bandwidth(self._calibrate_copy()),
             "l3": Bandwidth(500e6),
@@ -197,7 +202,14 @@ class TieredStore:
         record = BlockRecord(
             block_hash=block.block_hash, parent_hash=block.parent_hash, token_ids=block.token_ids
         )
-        self.l2.put(record, block.namespace_id, 0, self.copier.kv_cache[block.block_id])
+        data = self.copier.kv_cache[block.block_id]
+        if self.l2.put(record, block.namespace_id, 0, data) is None and block.block_hash not in self.l2:
+            # Every L2 slot is pinned by a load in flight: write the block through to disk and Redis
+            # rather than lose it (the slot in L1 is reused at once, so this is a copy).
+            victim = DemotedBlock(
+                record=record, namespace_id=block.namespace_id, position=0, data=data.to("cpu", copy=True)
+            )
+            self._enqueue_demotion([victim])
 
     def _enqueue_demotion(self, blocks: list[DemotedBlock]) -> None:
         if self.disk is None and self.remote is None:
@@ -308,12 +320,14 @@ class TieredStore:
 
     def finish_prefetch(self, result: PrefetchResult) -> dict[BlockHash, str]:
         """Offer fetched blocks to L2 (the request keeps its own copy); returns each block's origin tier."""
-        origins: dict[BlockHash, str] = {}
-        for i, record in enumerate(result.records):
-            assert result.data is not None
-            self.l2.put(record, result.namespace_ids[i], result.start + i, result.data[i])
-            origins[record.block_hash] = result.sources[i]
-        return origins
+        if not result.records:
+            return {}
+        assert result.data is not None
+        positions = range(result.start, result.start + len(result.records))
+        self.l2.put_many(result.records, result.namespace_ids, positions, result.data)
+        return {
+            record.block_hash: source for record, source in zip(result.records, result.sources, strict=True)
+        }
 
     # ---- admission ---------------------------------------------------------------------------------
     def match_l2(self, hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[int]:
@@ -392,6 +406,12 @@ class TieredStore:
         self._writer.join(timeout=30)
         self._readers.shutdown(wait=True)
         self.copier.close()
+
+    def remote_tier(self) -> dict[str, Any] | None:
+        """The shared Redis tier as KV-event consumers see it: its id and how long a block lives unread."""
+        if self.remote is None or self.remote.tier_id is None:
+            return None
+        return {"id": self.remote.tier_id, "ttl_s": self.config.remote_ttl_s}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -1,0 +1,212 @@
+"""KV events from the disk (L3) and Redis tiers: what a restarted worker's disk holds is announced, every
+removal (eviction, purge, damage) is published, and a block in shared Redis is credited by the gateway's
+index to every worker sharing that Redis, never across namespaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.kv_index import TIER_WEIGHTS, PrefixIndex
+from policies.hashing import block_hashes
+from tests.worker.conftest import prompt_of, run, segments
+from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1, redis_url  # noqa: F401 - fixture
+from worker.engine import Engine
+from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
+from worker.tiers.disk import DiskTier
+from worker.tiers.entry import BlockRecord
+from worker.tiers.host import DemotedBlock
+from worker.tiers.remote import RemoteTier
+
+A = segments(b"key-of-tenant-a!" * 2, "t-a")
+B = segments(b"key-of-tenant-b!" * 2, "t-b")
+SHAPE = (2, 2, 16, 2, 16)  # random-tiny's block: layers, k/v, tokens, kv heads, head dim
+
+
+def hashes_of(engine: Engine, prompt: list[int], segs=A) -> list[bytes]:
+    return block_hashes(prompt, 16, engine.fingerprint, segs)
+
+
+def held(log: KVEventLog, medium: str) -> dict[bytes, str]:
+    """Replay the log: the blocks ``medium`` holds now (hash -> namespace id)."""
+    state: dict[bytes, str] = {}
+    for event in log.since(0, max_events=1 << 20).events:
+        if event.medium != medium:
+            continue
+        if event.kind == BLOCK_STORED:
+            state[event.block_hash] = event.namespace_id
+        elif event.kind == BLOCK_REMOVED:
+            state.pop(event.block_hash, None)
+    return state
+
+
+def batch_of(engine: Engine, worker_id: str) -> dict:
+    """What ``GET /v1/kv_events?since=0`` answers (worker.server.kv_events)."""
+    batch = engine.kv_events.since(0, max_events=1 << 20)
+    return {
+        "worker_id": worker_id,
+        "last_seq": batch.last_seq,
+        "reset": batch.reset,
+        "events": [event.to_json() for event in batch.events],
+        "remote_tier": engine.store.remote_tier() if engine.store is not None else None,
+    }
+
+
+async def test_restarted_worker_announces_its_disk_and_every_removal(make_engine, tmp_path):
+    first = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    prompt_a, prompt_b = prompt_of(3, 80), prompt_of(4, 80)
+    await run(first, "a", prompt_a, segs=A)
+    await run(first, "b", prompt_b, segs=B)
+    first.stop()  # flushes L1 to disk
+    hashes_a, hashes_b = hashes_of(first, prompt_a)[:5], hashes_of(first, prompt_b, B)[:5]
+
+    second = make_engine(l3_dir=tmp_path, l3_min_free_bytes=0)
+    on_disk = held(second.kv_events, "L3")  # announced before any request: the files found at start-up
+    assert on_disk == {**dict.fromkeys(hashes_a, "t-a"), **dict.fromkeys(hashes_b, "t-b")}
+    first_events = second.kv_events.since(0).events
+    assert first_events[0].seq == 1 and {e.medium for e in first_events[:10]} == {"L3"}
+    for event in first_events:  # ids and hashes only: no token or text leaves the worker
+        assert set(event.to_json()) <= {
+            "seq",
+            "type",
+            "medium",
+            "block_hashes",
+            "parent_block_hash",
+            "namespace_id",
+        }
+    stored = [e for e in first_events if e.medium == "L3"]
+    assert [e.parent_hash for e in stored if e.namespace_id == "t-a"] == [None, *hashes_a[:-1]]
+
+    # A damaged file is deleted at read time: its blocks are announced removed.
+    (path,) = [p for p in tmp_path.rglob("*.kv") if p.name == f"{hashes_b[0].hex()}.kv"]
+    damaged = bytearray(path.read_bytes())
+    damaged[-5] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    _, usage, _ = await run(second, "b-again", prompt_b, segs=B)
+    assert usage["cached_tokens"] == 0
+    assert not set(hashes_b) & set(held(second.kv_events, "L3"))
+
+    # A purge removes the namespace from the disk's events (and nothing of the other namespace).
+    _, usage, _ = await run(second, "a-again", prompt_a, segs=A)
+    assert usage["cached_tokens_by_source"]["l3"] == 64
+    erased, failed = await second.purge("t-a")
+    assert erased["l3"] == 5 and not failed
+    assert held(second.kv_events, "L3") == {}  # t-b's only file was the damaged one
+    for medium in ("L1", "L2"):
+        assert "t-a" not in held(second.kv_events, medium).values()
+
+
+def _blocks(namespace_id: str, seed: int, count: int) -> list[DemotedBlock]:
+    tokens = [(seed * 31 + i) % 251 for i in range(16 * count)]
+    hashes = block_hashes(tokens, 16, b"events", segments(b"k" * 32, namespace_id))
+    return [
+        DemotedBlock(
+            record=BlockRecord(
+                block_hash=h,
+                parent_hash=hashes[k - 1] if k else None,
+                token_ids=tuple(tokens[16 * k : 16 * k + 16]),
+            ),
+            namespace_id=namespace_id,
+            position=k,
+            data=torch.full(SHAPE, float(seed + k)),
+        )
+        for k, h in enumerate(hashes)
+    ]
+
+
+def test_disk_eviction_is_announced(tmp_path):
+    log = KVEventLog()
+    disk = DiskTier(
+        tmp_path,
+        budget_bytes=3 * (4 * BLOCK_BYTES + 2048),  # about three 4-block files
+        fingerprint=b"events" * 6,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        min_free_bytes=0,
+        events=TierEvents(log, "L3"),
+    )
+    chains = [_blocks("t-a", seed, 4) for seed in range(6)]
+    for chain in chains:
+        assert disk.write(chain) == 4
+    assert disk.counters["files_evicted_total"] >= 1
+    assert set(held(log, "L3")) == set(disk.index)  # the events say exactly what the index holds
+
+
+def test_redis_events_name_written_evicted_and_purged_blocks(redis_url):  # noqa: F811
+    def tier(budget_bytes: int, fingerprint: bytes = b"events-redis" * 3) -> tuple[RemoteTier, KVEventLog]:
+        log = KVEventLog()
+        remote = RemoteTier(
+            redis_url,
+            fingerprint=fingerprint,
+            codec="none",
+            block_shape=SHAPE,
+            dtype=torch.float32,
+            budget_bytes=budget_bytes,
+            ttl_s=60,
+            timeout_s=1.0,
+            events=TierEvents(log, "remote"),
+        )
+        return remote, log
+
+    entry_bytes = torch.Size(SHAPE).numel() * 4 + 2000  # payload and header of a one-block entry
+    writer, log = tier(budget_bytes=6 * entry_bytes)
+    reader, reader_log = tier(budget_bytes=6 * entry_bytes)
+    other_model, _ = tier(budget_bytes=1 << 20, fingerprint=b"another-model" * 3)
+    assert writer.identify() and writer.identify() == reader.identify() != other_model.identify()
+
+    first, second = _blocks("t-a", 1, 4), _blocks("t-b", 2, 4)
+    writer.put(first)
+    assert held(log, "remote") == {b.record.block_hash: "t-a" for b in first}
+    writer.put(second)  # over the budget: the oldest keys are evicted, and named
+    assert writer.counters["blocks_evicted_total"] >= 1
+    in_redis = {
+        bytes.fromhex(key.decode().rsplit(":", 1)[1])
+        for key in writer.client.scan_iter(match=f"{writer.prefix}:t-*")
+    }
+    assert set(held(log, "remote")) == in_redis
+
+    # A read by another worker re-announces what it found (the hit refreshed the TTL).
+    writer.budget_bytes = 1 << 20
+    third = _blocks("t-b", 3, 4)
+    writer.put(third)
+    records, _ = reader.get_run(
+        ["t-b"] * 4, [b.record.block_hash for b in third], [b.record.token_ids for b in third]
+    )
+    assert len(records) == 4 and set(held(reader_log, "remote")) == {b.record.block_hash for b in third}
+    erased = reader.purge("t-b")
+    assert erased >= 4 and held(reader_log, "remote") == {}
+
+
+async def test_index_credits_redis_blocks_to_every_worker_sharing_the_redis(make_engine, redis_url):  # noqa: F811
+    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=redis_url)
+    prompt = prompt_of(40, 80)
+    await run(producer, "first", prompt, segs=A)
+    await push_out_of_l1(producer)
+    producer.store.wait_for_writes()
+    consumer = make_engine(remote_url=redis_url)
+    local_only = make_engine()
+    tier_id = producer.store.remote_tier()["id"]
+    assert consumer.store.remote_tier()["id"] == tier_id
+
+    index = PrefixIndex()
+    for url, engine in (("http://p", producer), ("http://c", consumer), ("http://l", local_only)):
+        index.apply(url, batch_of(engine, url))
+    hashes = hashes_of(producer, prompt)
+    in_redis = [h for h in hashes if h in held(producer.kv_events, "remote")]
+    assert in_redis  # the evicted chain reached Redis
+    found = index.match("http://c", hashes, ["t-a"] * len(hashes))
+    assert found.num_blocks >= 1
+    assert found.weighted_blocks == pytest.approx(found.num_blocks * TIER_WEIGHTS["remote"])
+    assert index.match("http://l", hashes, ["t-a"] * len(hashes)).num_blocks == 0  # no Redis: no credit
+    other_ns = block_hashes(prompt, 16, producer.fingerprint, B)
+    assert index.match("http://c", other_ns, ["t-b"] * len(hashes)).num_blocks == 0
+
+    # The consumer really restores them from Redis, then a purge through it removes them everywhere.
+    _, usage, _ = await run(consumer, "from-redis", prompt, segs=A)
+    assert usage["cached_tokens_by_source"]["remote"] == min(found.num_blocks, 4) * 16
+    _, failed = await consumer.purge("t-a")
+    assert not failed
+    index.apply("http://c", batch_of(consumer, "http://c"))
+    assert index.shared[tier_id] == {}  # every t-a key the purge erased from Redis, announced
+    assert index.match("http://c", hashes, ["t-a"] * len(hashes)).num_blocks == 0

@@ -1,0 +1,113 @@
+"""The engine's side of the tiered KV store: built from the worker config, consulted when a request
+arrives (prefetch), fed back on the engine thread when a prefetch lands, purged and flushed.
+
+Split out of ``worker.engine`` (no behaviour change): the engine owns the loop and the requests; how it
+uses L2, L3 and Redis lives here. Every function but ``purge_remote`` runs on the engine thread (or
+before it starts, or after it stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from policies.hashing import block_hashes, segment_at
+from worker.block_manager import BlockManager
+from worker.config import WorkerConfig
+from worker.kv_events import KVEventLog
+from worker.sequence import Sequence
+from worker.tiers.remote import RemoteUnavailable
+from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
+
+log = logging.getLogger("prefixgate.worker")
+
+
+def make_store(
+    cfg: WorkerConfig,
+    *,
+    fingerprint: bytes,
+    kv_cache: torch.Tensor,
+    bytes_per_block: int,
+    prefill_tokens_per_s: Callable[[], float],
+    post: Callable[[tuple[str, Any]], None],
+    kv_events: KVEventLog,
+) -> TieredStore | None:
+    """The tiers the config asks for (None: no L2, no disk, no Redis)."""
+    if cfg.l2_bytes <= 0 and cfg.disk_dir() is None and not cfg.remote_url:
+        return None
+    tiers = TierConfig(
+        l2_bytes=max(cfg.l2_bytes, bytes_per_block),
+        l3_dir=cfg.disk_dir(),
+        l3_bytes=cfg.l3_bytes,
+        l3_codec=cfg.l3_codec,
+        l3_min_free_bytes=cfg.l3_min_free_bytes,
+        remote_url=cfg.remote_url,
+        remote_bytes=cfg.remote_bytes,
+        remote_ttl_s=float(cfg.remote_ttl_s),
+        remote_timeout_s=cfg.remote_timeout_ms / 1000,
+        remote_pause_s=cfg.remote_pause_s,
+        remote_codec=cfg.remote_codec,
+        eviction_policy=cfg.eviction_policy,
+        at_rest_key=cfg.at_rest_key,
+    )
+    return TieredStore(
+        tiers,
+        fingerprint=fingerprint,
+        kv_cache=kv_cache,
+        bytes_per_block=bytes_per_block,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        post=post,
+        kv_events=kv_events,
+    )
+
+
+def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fingerprint: bytes) -> None:
+    """Look the prompt up in every tier now; fetch what only disk or Redis hold while it waits."""
+    bs = pool.block_size
+    seq.block_hashes = block_hashes(seq.prompt_token_ids, bs, fingerprint, seq.segments)
+    tokens = seq.prompt_token_ids
+    token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
+    namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
+    num_l1 = len(pool.match_prefix(seq.block_hashes, token_blocks))
+    plan = store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
+    if plan is not None:
+        seq.prefetching = True
+        store.start_prefetch(plan)
+
+
+def finish_prefetch(store: TieredStore, seq: Sequence | None, result: PrefetchResult) -> None:
+    """A prefetch landed: offer its blocks to L2 and hand them to the waiting request (if still there)."""
+    if seq is None:
+        return
+    seq.block_origins.update(store.finish_prefetch(result))
+    seq.prefetched = result if result.records else None
+    seq.prefetching = False
+
+
+async def purge_remote(
+    store: TieredStore | None, namespace_id: str, erased: dict[str, int], failed: dict[str, str]
+) -> None:
+    """Erase a namespace from Redis off the engine thread (Redis can be slow); records the outcome."""
+    if store is None:
+        return
+    try:
+        remote = await asyncio.to_thread(store.purge_remote, namespace_id)
+    except RemoteUnavailable as exc:
+        failed["remote"] = str(exc)
+    else:
+        if remote is not None:
+            erased["remote"] = remote
+
+
+def close_store(store: TieredStore, pool: BlockManager, *, flush: bool) -> None:
+    """After the loop stopped: write the cached blocks to disk (if asked) and release the tiers."""
+    if flush:
+        try:
+            log.info("flushed %d cached blocks to the disk tier", store.flush(pool))
+        except Exception:
+            log.exception("flushing the KV cache to disk failed")
+    store.close()
