@@ -11,7 +11,19 @@ def test_every_generated_family_has_tuning_and_held_out_traces():
     for family in families - {"rag"}:
         held = {t.held_out for t in traces if t.family == family}
         assert held == {True, False}, family
-    assert not any(t.held_out for t in traces if t.family == "mooncake")
+    (synthetic,) = (t for t in traces if t.name == "mooncake-synthetic")
+    assert not synthetic.held_out
+
+
+def test_fresh_held_out_traces_cover_chats_agents_and_a_public_trace():
+    # Picked before the second round of tuning and replayed once, at the end (docs/eviction.md).
+    fresh = {t.name: t for t in evaluation_set() if t.fresh}
+    assert all(t.held_out for t in fresh.values())
+    assert {t.family for t in fresh.values()} == {"chat", "agent", "mooncake"}
+    (public,) = (t for t in fresh.values() if t.spec is None)
+    requests = public.load()
+    assert len(requests) == 1000
+    assert sum(len(r.hash_ids) for r in requests) == 16853
 
 
 def test_compact_traces_are_prefixes_within_the_block_budget():
@@ -25,6 +37,6 @@ def test_compact_traces_are_prefixes_within_the_block_budget():
 
 
 def test_the_mooncake_trace_is_the_shared_one():
-    (mooncake,) = (t for t in evaluation_set() if t.family == "mooncake")
+    (mooncake,) = (t for t in evaluation_set() if t.name == "mooncake-synthetic")
     requests = mooncake.load()
     assert len(requests) == 3993

@@ -66,7 +66,7 @@ def test_default_is_at_least_the_best_textbook_policy(trace: EvalTrace, fraction
 
 
 def test_default_beats_lru_by_ten_percent_on_the_synthetic_trace():
-    (mooncake,) = (t for t in evaluation_set() if t.family == "mooncake")
+    (mooncake,) = (t for t in evaluation_set() if t.name == "mooncake-synthetic")
     requests = mooncake.load()
     capacity = int(0.05 * num_unique_blocks(requests))
     ours = simulate_one(requests, "default", capacity).prefix_hit_ratio
