@@ -13,15 +13,15 @@ def _insert(policy, block_id: int, parent: int | None = None, position: int = 0)
 
 
 def test_alone_the_leader_is_exactly_its_expert():
-    # Until another expert's shadow is significantly ahead, the real cache is the prefix-aware policy.
+    # Until another expert's shadow is significantly ahead, the real cache is ARC, the first leader.
     requests = [
         TraceRequest(timestamp_ms=i, hash_ids=tuple(range(i % 7 * 10, i % 7 * 10 + 5))) for i in range(60)
     ]
     (part,) = partitions(requests, "shared", 12)
     adaptive = AdaptivePolicy(12)
     ours = replay(part.requests, adaptive, 12)
-    alone = replay(part.requests, make_policy("prefix", 12), 12)
-    assert adaptive.leader_name == "prefix"
+    alone = replay(part.requests, make_policy("arc", 12), 12)
+    assert adaptive.leader_name == "arc"
     assert ours == alone
 
 
