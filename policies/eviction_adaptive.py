@@ -105,6 +105,7 @@ class AdaptivePolicy(EvictionPolicy):
     """Follows the expert (prefix-aware, ARC, LRU) whose shadow beats both the leader's and the real cache."""
 
     name = "adaptive"
+    REAL_ARM = 3  # index of the real cache among the arms compared (after the three shadows)
 
     half_life_factor = 8.0  # accesses for a hit to count half, × capacity
     switch_z = 3.0  # a lead must be this many standard deviations of the discordant count (McNemar)
@@ -213,13 +214,17 @@ class AdaptivePolicy(EvictionPolicy):
                         row[j] += weight
         if weight > _RESCALE_AT:
             self._rescale()
-        leader, real = self.leader, len(self._shadows)
+        self.leader = self._next_leader()
+
+    def _next_leader(self) -> int:
+        """The expert whose shadow beats both the leader's shadow and the real cache by the most."""
+        wins, leader, real = self._wins, self.leader, len(self._shadows)
         best, best_lead = leader, 0.0
         for i in range(real):
             lead = wins[i][leader] - wins[leader][i]
             if i != leader and lead > best_lead and self._beats(i, leader) and self._beats(i, real):
                 best, best_lead = i, lead
-        self.leader = best
+        return best
 
     def _beats(self, i: int, j: int) -> bool:
         """McNemar's test on the accesses where exactly one of arms ``i`` and ``j`` hit (decayed)."""

@@ -70,3 +70,29 @@ def test_large_caches_sample_their_shadows():
     policy = AdaptivePolicy(100_000)
     assert policy.sample_rate == 12
     assert all(shadow.capacity_blocks == 100_000 // 12 for shadow in policy._shadows)
+
+
+def _with_discordant_counts(wins_over_leader: float, wins_over_real: float, *, hits: float = 1000.0):
+    """A policy led by ARC (arm 1) whose prefix shadow (arm 0) hit where the others missed this often."""
+    policy = AdaptivePolicy(100)
+    assert policy.leader == 1
+    for arm in range(4):
+        policy._wins[arm][arm] = hits
+    policy._wins[0][1], policy._wins[1][0] = wins_over_leader, 10.0
+    policy._wins[0][AdaptivePolicy.REAL_ARM], policy._wins[AdaptivePolicy.REAL_ARM][0] = wins_over_real, 10.0
+    return policy
+
+
+def test_a_significant_lead_over_the_leader_and_the_real_cache_takes_over():
+    assert _with_discordant_counts(100.0, 100.0)._next_leader() == 0
+
+
+def test_no_switch_to_an_expert_the_real_cache_already_matches():
+    # The prefix shadow beats ARC's shadow, but the real cache hits as often as it: a switch would only
+    # cost (the new leader inherits a cache it did not fill).
+    assert _with_discordant_counts(100.0, 12.0)._next_leader() == 1
+
+
+def test_no_switch_on_a_lead_within_noise():
+    # 25 against 10 discordant accesses: 15 < 3 standard deviations (3 × √35 ≈ 17.7).
+    assert _with_discordant_counts(25.0, 25.0)._next_leader() == 1
