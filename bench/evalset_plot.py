@@ -4,8 +4,9 @@
     python -m bench.evalset_plot full.log [more.log ...] --out docs/img/eviction_guarantee.png
 
 Reads the JSON line(s) the evaluation set prints and draws one cell per (trace, capacity): the
-default's prefix-usable hit ratio minus max(LRU, ARC). The guarantee is every cell ≥ −0.005; held-out
-traces are marked. Ends with one JSON line: the worst margin and the cells below the bound.
+default's prefix-usable hit ratio minus max(LRU, ARC). The guarantee is every cell ≥ −0.005. The
+second round's held-out traces are marked "held out", the first round's (now tuned on) apart. Ends
+with one JSON line: the worst margin and the cells below the bound.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from bench.evalset import evaluation_set
 
 NOISE = 0.005
 
@@ -53,7 +56,12 @@ def save_plot(cells: dict[tuple[str, float], float], held_out: dict[str, bool], 
                 weight = "bold" if value < -NOISE else "normal"
                 ax.text(column, row, f"{value:+.4f}", ha="center", va="center", fontsize=8, weight=weight)
     ax.set_xticks(range(len(capacities)), [f"{c:.0%}" for c in capacities])
-    ax.set_yticks(range(len(traces)), [f"{t} (held out)" if held_out.get(t) else t for t in traces])
+    fresh = {t.name for t in evaluation_set() if t.fresh}
+    labels = [
+        f"{t} (held out)" if t in fresh else f"{t} (1st-round held out)" if held_out.get(t) else t
+        for t in traces
+    ]
+    ax.set_yticks(range(len(traces)), labels)
     ax.set_xlabel("capacity (fraction of the trace's unique blocks)")
     ax.set_title("default − max(LRU, ARC), prefix-usable hit ratio (bound: ≥ −0.005)", fontsize=9)
     figure.colorbar(image, ax=ax, fraction=0.04)

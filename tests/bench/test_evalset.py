@@ -1,5 +1,9 @@
 """The evaluation set: every family, held-out traces, compact prefixes."""
 
+import json
+
+import pytest
+
 from bench.evalset import COMPACT_BLOCKS, evaluation_set
 
 
@@ -40,3 +44,17 @@ def test_the_mooncake_trace_is_the_shared_one():
     (mooncake,) = (t for t in evaluation_set() if t.name == "mooncake-synthetic")
     requests = mooncake.load()
     assert len(requests) == 3993
+
+
+def test_plot_margins_are_default_minus_the_better_textbook_policy(tmp_path):
+    from bench.evalset_plot import margins, save_plot
+
+    rows = [
+        {"trace": "t", "held_out": True, "policy": p, "capacity": 0.05, "prefix_hit_ratio": r}
+        for p, r in (("lru", 0.30), ("arc", 0.32), ("default", 0.31))
+    ]
+    cells, held_out = margins(["a table line", json.dumps({"results": rows})])
+    assert cells == {("t", 0.05): pytest.approx(-0.01)}
+    assert held_out == {"t": True}
+    save_plot(cells, held_out, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
