@@ -3,24 +3,28 @@
 No single order wins everywhere: the prefix-aware policy (``eviction_prefix``) is well ahead on traces
 with much one-off content (Mooncake), ARC on small caches of multi-turn chats, LRU on large caches of
 sessions that come back after a long think time. ``AdaptivePolicy`` runs all three and learns which one
-to follow from the accesses it sees, the way ARC learns its T1 size from its own ghost hits:
+to follow from the accesses it sees:
 
 - **Shadows.** Each expert also runs on a shadow cache of the same capacity that holds ids only and sees
-  every access (hits and misses of the real cache alike). A shadow's hits decay by half every
-  ``half_life_factor`` × capacity accesses, so each shadow's score is its recent hit count: what that
-  expert would have hit had it run the cache alone.
-- **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader (the best
-  recent score) for the victim and tells the others with ``on_evicted``, so each follower keeps its
-  ghost lists and is ready the moment it leads.
-- **Hysteresis.** The leader changes only when another shadow's score beats it by ``switch_margin``
-  (relative) and by ``switch_z`` standard deviations (scores are counts, Poisson-like): when the experts
-  tie, or while the counts are small, the cache does not flap between orders.
+  every access (hits and misses of the real cache alike): what that expert would have hit alone.
+- **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader for the
+  victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists.
+- **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
+  they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
+  every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead
+  under the variance the arms share.
+- **Switch only to a better cache than the one we have.** Another expert takes the lead only if its
+  shadow beats the leader's shadow *and the real cache*, each by ``switch_z`` standard deviations and by
+  ``switch_margin`` of the loser's hits. A switch costs (the new leader inherits a cache the old one
+  filled); comparing with the real cache's own hits stops the learner from paying that again for a
+  lead the real cache already has, and from flapping between experts that tie.
+- **A safe start.** The first leader is ARC, one of the two policies the default must never lose to;
+  the prefix-aware order takes over where its lead is significant (Mooncake: within a few capacities).
 
 When one expert leads all the time the real cache is exactly that expert (the leader's follower gets the
-same calls as the policy alone), so the default loses nothing on a workload where one order is best;
-where the best order changes, it changes with it. Large caches sample the shadows by block id (SHARDS,
-Waldspurger et al., FAST'15: a shadow of ``capacity / rate`` blocks sees one id in ``rate``), so the
-shadows cost at most ``max_shadow_blocks`` ids each whatever the capacity.
+same calls as the policy alone). Large caches sample the shadows by block id (SHARDS, Waldspurger et
+al., FAST'15: a shadow of ``capacity / rate`` blocks sees one id in ``rate``), so the shadows cost at
+most ``max_shadow_blocks`` ids each whatever the capacity.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from policies.eviction_prefix import PrefixAwarePolicy
 _EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, ARCPolicy, LRUPolicy)
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
+_RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
 
 
 @dataclass(slots=True)
@@ -50,33 +55,29 @@ class _Shadow:
     policy: EvictionPolicy
     capacity_blocks: int
     sampled: bool  # sees one id in ``sample_rate``: no chains to follow, every hit counts
-    score: float = 0.0  # decayed count of prefix-usable hits
     parent_of: dict[BlockId, BlockId | None] = field(default_factory=dict)  # resident -> resident parent
     num_children: dict[BlockId, int] = field(default_factory=dict)  # resident -> resident children
     pinned: set[BlockId] = field(default_factory=set)  # blocks of the prompt being replayed
     last_position: int = -1  # position of the previous access (a drop starts a new prompt)
     last_usable: BlockId | None = None  # the previous access, if it was a usable hit
 
-    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
-        """Replay one access of the real cache's stream."""
+    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
+        """Replay one access of the real cache's stream; True if it was a prefix-usable hit."""
         if meta.position <= self.last_position:
             self.pinned.clear()
         self.last_position = meta.position
         if block_id in self.parent_of:
-            if self.sampled or meta.position == 0 or meta.parent == self.last_usable:
-                self.score += 1.0
-                self.last_usable = block_id
-            else:
-                self.last_usable = None
+            usable = self.sampled or meta.position == 0 or meta.parent == self.last_usable
+            self.last_usable = block_id if usable else None
             self.pinned.add(block_id)
             self.policy.on_hit(block_id, now)
-            return
+            return usable
         self.last_usable = None
         self.policy.on_miss(block_id, now)
         if len(self.parent_of) >= self.capacity_blocks:
             victim = self.policy.evict(self._can_evict)
             if victim is None:
-                return
+                return False
             victim_parent = self.parent_of.pop(victim)
             if victim_parent is not None:
                 left = self.num_children[victim_parent] - 1
@@ -90,6 +91,7 @@ class _Shadow:
         self.parent_of[block_id] = parent
         self.pinned.add(block_id)
         self.policy.on_insert(block_id, meta, now)
+        return False
 
     def _can_evict(self, block_id: BlockId) -> bool:
         return block_id not in self.pinned and block_id not in self.num_children
@@ -100,14 +102,15 @@ class _Shadow:
 
 
 class AdaptivePolicy(EvictionPolicy):
-    """Follows the expert (prefix-aware, ARC, LRU) whose shadow cache hits most recently."""
+    """Follows the expert (prefix-aware, ARC, LRU) whose shadow beats both the leader's and the real cache."""
 
     name = "adaptive"
+    REAL_ARM = 3  # index of the real cache among the arms compared (after the three shadows)
 
-    half_life_factor = 8.0  # accesses for a shadow hit to count half, × capacity
-    switch_margin = 0.03  # relative score lead another expert needs to take over
-    switch_z = 3.0  # ... and it must be significant: this many standard deviations of a Poisson count
-    initial_leader = 0  # the prefix-aware policy
+    half_life_factor = 8.0  # accesses for a hit to count half, × capacity
+    switch_z = 3.0  # a lead must be this many standard deviations of the discordant count (McNemar)
+    switch_margin = 0.01  # ... and this fraction of the loser's (decayed) hits
+    initial_leader = 1  # ARC: a policy the default is measured against
     max_shadow_blocks = 8192  # shadows of larger caches sample ids (one in capacity / this)
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -125,6 +128,10 @@ class AdaptivePolicy(EvictionPolicy):
         self._decay = 0.5 ** (1.0 / (self.half_life_factor * shadow_capacity))
         self.leader = self.initial_leader  # index into the experts, until the shadows show otherwise
         self._meta: dict[BlockId, BlockMeta] = {}  # resident block -> its meta (shadows need parents)
+        # _wins[i][j]: decayed count of accesses where arm i hit and arm j missed; arms are the shadows
+        # and, last, the real cache. Counts are kept in units of 1 / _weight so decay costs nothing.
+        self._wins = [[0.0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
+        self._weight = 1.0
 
     @property
     def leader_name(self) -> str:
@@ -140,7 +147,7 @@ class AdaptivePolicy(EvictionPolicy):
         for follower in self._followers:
             follower.on_insert(block_id, meta, now)
         self._meta[block_id] = meta
-        self._observe(block_id, meta, now)
+        self._observe(block_id, meta, now, hit=False)
 
     def on_hit(self, block_id: BlockId, now: float) -> None:
         meta = self._meta.get(block_id)
@@ -148,7 +155,7 @@ class AdaptivePolicy(EvictionPolicy):
             return
         for follower in self._followers:
             follower.on_hit(block_id, now)
-        self._observe(block_id, meta, now)
+        self._observe(block_id, meta, now, hit=True)
 
     def on_remove(self, block_id: BlockId) -> None:
         self._forget(block_id)
@@ -183,19 +190,56 @@ class AdaptivePolicy(EvictionPolicy):
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
 
-    def _observe(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
+    def _observe(self, block_id: BlockId, meta: BlockMeta, now: float, *, hit: bool) -> None:
         """One access of the stream: every shadow replays it, then the leader may change."""
         if self.sample_rate > 1 and (((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate:
             return
-        decay = self._decay
-        for shadow in self._shadows:
-            shadow.score *= decay
-            shadow.access(block_id, meta, now)
-        leader_score = self._shadows[self.leader].score
-        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
-        best_score = self._shadows[best].score
-        lead = best_score - leader_score
-        if lead > self.switch_margin * leader_score and lead * lead > self.switch_z**2 * (
-            best_score + leader_score
-        ):
-            self.leader = best
+        self._weight /= self._decay  # a hit now weighs 1 / decay more than one an access ago
+        weight = self._weight
+        hits = [shadow.access(block_id, meta, now) for shadow in self._shadows]
+        hits.append(hit)  # the real cache is the last arm
+        wins = self._wins
+        if hits.count(hit) == len(hits):  # no arm differs: no evidence for a switch, only hit counts
+            if hit:
+                for i, row in enumerate(wins):
+                    row[i] += weight
+            if weight > _RESCALE_AT:
+                self._rescale()
+            return
+        for i, hit_i in enumerate(hits):
+            if hit_i:
+                row = wins[i]
+                for j, hit_j in enumerate(hits):
+                    if i == j or not hit_j:  # the diagonal counts the arm's own hits
+                        row[j] += weight
+        if weight > _RESCALE_AT:
+            self._rescale()
+        self.leader = self._next_leader()
+
+    def _next_leader(self) -> int:
+        """The expert whose shadow beats both the leader's shadow and the real cache by the most."""
+        wins, leader, real = self._wins, self.leader, len(self._shadows)
+        best, best_lead = leader, 0.0
+        for i in range(real):
+            lead = wins[i][leader] - wins[leader][i]
+            if i != leader and lead > best_lead and self._beats(i, leader) and self._beats(i, real):
+                best, best_lead = i, lead
+        return best
+
+    def _beats(self, i: int, j: int) -> bool:
+        """McNemar's test on the accesses where exactly one of arms ``i`` and ``j`` hit (decayed)."""
+        wins, losses = self._wins[i][j], self._wins[j][i]
+        lead = wins - losses
+        if lead <= 0:
+            return False
+        # In real units (counts / weight): lead² > z² × (wins + losses), and lead > margin × j's hits.
+        return (
+            lead > self.switch_margin * self._wins[j][j]
+            and lead * lead > self.switch_z**2 * (wins + losses) * self._weight
+        )
+
+    def _rescale(self) -> None:
+        weight = self._weight
+        for row in self._wins:
+            row[:] = [count / weight for count in row]
+        self._weight = 1.0

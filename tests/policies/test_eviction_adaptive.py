@@ -13,15 +13,15 @@ def _insert(policy, block_id: int, parent: int | None = None, position: int = 0)
 
 
 def test_alone_the_leader_is_exactly_its_expert():
-    # Until another expert's shadow is significantly ahead, the real cache is the prefix-aware policy.
+    # Until another expert's shadow is significantly ahead, the real cache is ARC, the first leader.
     requests = [
         TraceRequest(timestamp_ms=i, hash_ids=tuple(range(i % 7 * 10, i % 7 * 10 + 5))) for i in range(60)
     ]
     (part,) = partitions(requests, "shared", 12)
     adaptive = AdaptivePolicy(12)
     ours = replay(part.requests, adaptive, 12)
-    alone = replay(part.requests, make_policy("prefix", 12), 12)
-    assert adaptive.leader_name == "prefix"
+    alone = replay(part.requests, make_policy("arc", 12), 12)
+    assert adaptive.leader_name == "arc"
     assert ours == alone
 
 
@@ -70,3 +70,29 @@ def test_large_caches_sample_their_shadows():
     policy = AdaptivePolicy(100_000)
     assert policy.sample_rate == 12
     assert all(shadow.capacity_blocks == 100_000 // 12 for shadow in policy._shadows)
+
+
+def _with_discordant_counts(wins_over_leader: float, wins_over_real: float, *, hits: float = 1000.0):
+    """A policy led by ARC (arm 1) whose prefix shadow (arm 0) hit where the others missed this often."""
+    policy = AdaptivePolicy(100)
+    assert policy.leader == 1
+    for arm in range(4):
+        policy._wins[arm][arm] = hits
+    policy._wins[0][1], policy._wins[1][0] = wins_over_leader, 10.0
+    policy._wins[0][AdaptivePolicy.REAL_ARM], policy._wins[AdaptivePolicy.REAL_ARM][0] = wins_over_real, 10.0
+    return policy
+
+
+def test_a_significant_lead_over_the_leader_and_the_real_cache_takes_over():
+    assert _with_discordant_counts(100.0, 100.0)._next_leader() == 0
+
+
+def test_no_switch_to_an_expert_the_real_cache_already_matches():
+    # The prefix shadow beats ARC's shadow, but the real cache hits as often as it: a switch would only
+    # cost (the new leader inherits a cache it did not fill).
+    assert _with_discordant_counts(100.0, 12.0)._next_leader() == 1
+
+
+def test_no_switch_on_a_lead_within_noise():
+    # 25 against 10 discordant accesses: 15 < 3 standard deviations (3 × √35 ≈ 17.7).
+    assert _with_discordant_counts(25.0, 25.0)._next_leader() == 1

@@ -32,7 +32,7 @@ def test_default_is_the_adaptive_policy():
     policy = make_policy("default", 100)
     assert isinstance(policy, AdaptivePolicy)
     assert policy.capacity_blocks == 100
-    assert policy.leader_name == "prefix"  # until its shadows show another expert doing better
+    assert policy.leader_name == "arc"  # until its shadows show another expert doing better
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
