@@ -266,14 +266,7 @@ async def _stream(
     async with contextlib.aclosing(choices.choice_events(pipeline, prepared)) as events:
         item = await anext(events, None)  # errors before the first token are plain HTTP errors
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **_headers(call, prepared),
-            }
-        )
-        await response.prepare(request)
+        response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
         first = writer.first()
         if first is not None:

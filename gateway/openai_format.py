@@ -26,6 +26,15 @@ def json_response(
     )
 
 
+async def start_event_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    """Send the head of a server-sent-events response (chat and completion chunks)."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+    )
+    await response.prepare(request)
+    return response
+
+
 def usage_json(prepared: PreparedRequest, usage: dict[str, Any]) -> dict[str, Any]:
     """OpenAI usage with ``prompt_tokens_details.cached_tokens`` and the ``prefixgate`` breakdown."""
     prompt = int(usage.get("prompt_tokens", len(prepared.prompt_token_ids)))

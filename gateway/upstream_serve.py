@@ -23,7 +23,7 @@ from aiohttp import web
 
 from gateway.billing import TenantCall
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
-from gateway.openai_format import ChunkWriter, json_response
+from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.schemas import ChatRequest, CompletionRequest, read_json
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
@@ -261,14 +261,7 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         chunk = await anext(events, None)
         ttft = time.perf_counter() - call.started_s
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **_headers(call, forwarded),
-            }
-        )
-        await response.prepare(request)
+        response = await start_event_stream(request, _headers(call, forwarded))
         call.headers_sent = True
         try:
             while chunk is not None:

@@ -11,6 +11,7 @@ from openai import AsyncOpenAI
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.up import free_port
+from tests.kv_redis import kv_redis_url  # noqa: F401
 from tests.tenancy.db_support import db_url, pg_database, pg_url, sqlite_template, sqlite_url  # noqa: F401
 from tests.upstreams import hf_checkpoint, transformers_server  # noqa: F401
 from tests.worker_process import worker_process

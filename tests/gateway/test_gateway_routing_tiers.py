@@ -6,7 +6,6 @@ the cold fallback (rendezvous hash) picks, so only the tier events can route the
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 
 import aiohttp
@@ -87,22 +86,6 @@ async def test_gateway_routes_to_the_restarted_worker_whose_disk_holds_the_promp
     await sdk.close()
 
 
-@pytest.fixture
-def shared_redis_url() -> str:
-    url = os.environ.get("PREFIXGATE_TEST_REDIS_URL")
-    if not url:
-        if os.environ.get("PREFIXGATE_REQUIRE_SERVICES"):
-            pytest.fail("PREFIXGATE_TEST_REDIS_URL is required in CI")
-        pytest.skip("set PREFIXGATE_TEST_REDIS_URL to run the Redis tier tests")
-    import redis
-
-    client = redis.Redis.from_url(url)
-    for key in client.scan_iter(match="pg:kv:*"):
-        client.delete(key)
-    client.close()
-    return url
-
-
 async def fill_l1(url: str, rounds: int) -> None:
     """Unrelated prompts sent to one worker directly, so its earlier blocks leave L1 and L2 for Redis."""
     async with aiohttp.ClientSession() as session:
@@ -118,7 +101,7 @@ async def fill_l1(url: str, rounds: int) -> None:
 
 
 async def test_redis_blocks_route_to_another_worker_sharing_that_redis(
-    aiohttp_client, sqlite_url, tmp_path, shared_redis_url
+    aiohttp_client, sqlite_url, tmp_path, kv_redis_url
 ):
     ports = {f"http://127.0.0.1:{port}": port for port in (free_port(), free_port())}
     small = ("--model", MODEL, "--num-blocks", "24", "--max-model-len", "368", "--l2-bytes", "1")
@@ -132,7 +115,7 @@ async def test_redis_blocks_route_to_another_worker_sharing_that_redis(
         for url, port in ports.items():
             stacks[url].enter_context(
                 worker_process(
-                    *small, "--remote-url", shared_redis_url, port=port, log_path=tmp_path / f"{port}.log"
+                    *small, "--remote-url", kv_redis_url, port=port, log_path=tmp_path / f"{port}.log"
                 )
             )
         await wait_until(lambda: set(index.workers) == set(ports), timeout_s=15)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from policies.hashing import NamespaceSegment
+from tests.kv_redis import kv_redis_url  # noqa: F401 - fixture
 from tests.worker_process import free_port
 from worker.config import WorkerConfig
 from worker.engine import Engine

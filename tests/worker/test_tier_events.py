@@ -10,7 +10,7 @@ import torch
 from gateway.kv_index import TIER_WEIGHTS, PrefixIndex
 from policies.hashing import block_hashes
 from tests.worker.conftest import prompt_of, run, segments
-from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1, redis_url  # noqa: F401 - fixture
+from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1
 from worker.engine import Engine
 from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
 from worker.tiers.disk import DiskTier
@@ -133,11 +133,11 @@ def test_disk_eviction_is_announced(tmp_path):
     assert set(held(log, "L3")) == set(disk.index)  # the events say exactly what the index holds
 
 
-def test_redis_events_name_written_evicted_and_purged_blocks(redis_url):  # noqa: F811
+def test_redis_events_name_written_evicted_and_purged_blocks(kv_redis_url):
     def tier(budget_bytes: int, fingerprint: bytes = b"events-redis" * 3) -> tuple[RemoteTier, KVEventLog]:
         log = KVEventLog()
         remote = RemoteTier(
-            redis_url,
+            kv_redis_url,
             fingerprint=fingerprint,
             codec="none",
             block_shape=SHAPE,
@@ -178,13 +178,13 @@ def test_redis_events_name_written_evicted_and_purged_blocks(redis_url):  # noqa
     assert erased >= 4 and held(reader_log, "remote") == {}
 
 
-async def test_index_credits_redis_blocks_to_every_worker_sharing_the_redis(make_engine, redis_url):  # noqa: F811
-    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=redis_url)
+async def test_index_credits_redis_blocks_to_every_worker_sharing_the_redis(make_engine, kv_redis_url):
+    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=kv_redis_url)
     prompt = prompt_of(40, 80)
     await run(producer, "first", prompt, segs=A)
     await push_out_of_l1(producer)
     producer.store.wait_for_writes()
-    consumer = make_engine(remote_url=redis_url)
+    consumer = make_engine(remote_url=kv_redis_url)
     local_only = make_engine()
     tier_id = producer.store.remote_tier()["id"]
     assert consumer.store.remote_tier()["id"] == tier_id

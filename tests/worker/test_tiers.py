@@ -1,10 +1,7 @@
 """The tiered store end to end: L2, L3 (with restart and faults), Redis, namespaces in every tier."""
 
-import os
 import shutil
 import time
-
-import pytest
 
 from tests.worker.conftest import greedy, prompt_of, run, segments
 
@@ -148,29 +145,14 @@ def test_cost_gate_recomputes_when_loading_is_slower(make_engine):
     assert not store.worth_loading("l2", 10)
 
 
-@pytest.fixture
-def redis_url():
-    url = os.environ.get("PREFIXGATE_TEST_REDIS_URL")
-    if not url:
-        if os.environ.get("PREFIXGATE_REQUIRE_SERVICES"):
-            pytest.fail("PREFIXGATE_TEST_REDIS_URL is required in CI")
-        pytest.skip("set PREFIXGATE_TEST_REDIS_URL to run the Redis tier tests")
-    import redis
-
-    client = redis.Redis.from_url(url)
-    for key in client.scan_iter(match="pg:kv:*"):
-        client.delete(key)
-    return url
-
-
-async def test_redis_tier_is_shared_between_workers_and_keeps_namespaces_apart(make_engine, redis_url):
-    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=redis_url)
+async def test_redis_tier_is_shared_between_workers_and_keeps_namespaces_apart(make_engine, kv_redis_url):
+    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=kv_redis_url)
     prompt = prompt_of(40, 80)
     expected, _, _ = await run(producer, "ref", prompt, use_cache=False)
     await run(producer, "first", prompt, segs=A)
     await push_out_of_l1(producer)
     producer.store.wait_for_writes()
-    consumer = make_engine(remote_url=redis_url)
+    consumer = make_engine(remote_url=kv_redis_url)
     _, usage_b, _ = await run(consumer, "other-tenant", prompt, segs=B)
     assert usage_b["cached_tokens"] == 0
     got, usage, _ = await run(consumer, "same-tenant", prompt, segs=A)
@@ -201,7 +183,7 @@ async def test_redis_stopping_mid_run_only_causes_misses(make_engine, private_re
     assert "remote" in failed
 
 
-def test_redis_quota_partition_protects_a_dedicated_namespace(redis_url):
+def test_redis_quota_partition_protects_a_dedicated_namespace(kv_redis_url):
     import torch
 
     from worker.tiers.entry import BlockRecord
@@ -210,7 +192,7 @@ def test_redis_quota_partition_protects_a_dedicated_namespace(redis_url):
 
     shape = (2, 2, 16, 2, 16)
     tier = RemoteTier(
-        redis_url,
+        kv_redis_url,
         fingerprint=b"quota-test" * 4,
         codec="none",
         block_shape=shape,

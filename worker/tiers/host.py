@@ -71,27 +71,7 @@ class HostTier:
 
         Returns None when the block is already here or every slot is pinned.
         """
-        if record.block_hash in self.index.hash_to_block_id:
-            return None
-        if not self.index.num_free_blocks:
-            self.index.reclaim(self.evict_batch, namespace_id)
-            self._flush_victims()
-            if not self.index.num_free_blocks:
-                return None
-        slot = self.index.allocate(namespace_id)
-        self.data[slot].copy_(data)
-        self.index.cache(
-            slot,
-            record.block_hash,
-            record.token_ids,
-            record.parent_hash,
-            namespace_id=namespace_id,
-            position=position,
-        )
-        self.index.release([slot])
-        self._positions[slot] = position
-        self.num_stored += 1
-        return slot
+        return self.put_many([record], [namespace_id], [position], data.unsqueeze(0))[0]
 
     def put_many(
         self,
