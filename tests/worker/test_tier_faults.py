@@ -9,7 +9,7 @@ import threading
 import time
 
 from tests.worker.conftest import greedy, prompt_of, run
-from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1, redis_url  # noqa: F401 - fixture
+from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1
 from worker.config import parse_args
 
 
@@ -104,13 +104,13 @@ class SlowLink:
 
 async def test_remote_tier_serves_through_a_slow_link_within_its_default_timeout(
     make_engine,
-    redis_url,  # noqa: F811 - the fixture imported above
+    kv_redis_url,
 ):
     """Issue 9: the remote tier's 50 ms timeout tripped on a busy host; a 100 ms reply is still a hit."""
-    port = int(redis_url.split(":")[2].split("/")[0])
+    port = int(kv_redis_url.split(":")[2].split("/")[0])
     link = SlowLink(port, delay_s=0.1)
     try:
-        slow_url = f"redis://127.0.0.1:{link.port}/{redis_url.rsplit('/', 1)[1]}"
+        slow_url = f"redis://127.0.0.1:{link.port}/{kv_redis_url.rsplit('/', 1)[1]}"
         producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=slow_url)
         prompt = prompt_of(77, 80)
         expected, _, _ = await run(producer, "ref", prompt, use_cache=False)
