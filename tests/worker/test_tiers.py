@@ -227,3 +227,62 @@ def test_redis_quota_partition_protects_a_dedicated_namespace(kv_redis_url):
     assert len(survivors) < 30  # the first ones were evicted to fit the shared budget
     assert tier.purge("t-dedicated") == 8
     assert tier.get_run(["t-dedicated"], hashes[:1], [list(range(16))])[0] == []
+
+
+def _remote_tier(url: str, fingerprint: bytes, budget_bytes: int):
+    import torch
+
+    from worker.tiers.remote import RemoteTier
+
+    return RemoteTier(
+        url,
+        fingerprint=fingerprint,
+        codec="none",
+        block_shape=(2, 2, 16, 2, 16),
+        dtype=torch.float32,
+        budget_bytes=budget_bytes,
+        ttl_s=60,
+        timeout_s=1.0,
+    )
+
+
+def _demoted(ns: str, i: int, position: int = 0):
+    import torch
+
+    from worker.tiers.entry import BlockRecord
+    from worker.tiers.host import DemotedBlock
+
+    return DemotedBlock(
+        record=BlockRecord(block_hash=bytes([i % 256, i // 256]) * 16, parent_hash=None, token_ids=tuple(range(16))),
+        namespace_id=ns,
+        position=position,
+        data=torch.full((2, 2, 16, 2, 16), float(i)),
+    )
+
+
+def _held(tier, ns: str, ids: range) -> list[int]:
+    return [i for i in ids if tier.client.exists(tier.key(ns, _demoted(ns, i).record.block_hash))]
+
+
+def test_redis_over_budget_by_one_entry_evicts_only_the_oldest(kv_redis_url):
+    """The eviction script popped 16 victims at a time: one entry too many wiped 7 of 7 entries."""
+    tier = _remote_tier(kv_redis_url, b"evict-just-enough" * 2, budget_bytes=1 << 30)
+    tier.put([_demoted("t-a", 0)])
+    tier.budget_bytes = 6 * int(tier.client.get(tier._total))
+    for i in range(1, 7):
+        time.sleep(0.002)  # distinct write times
+        tier.put([_demoted("t-a", i)])
+    assert tier.counters["blocks_evicted_total"] == 1
+    assert _held(tier, "t-a", range(7)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_redis_evicts_a_chain_tail_first_within_one_write(kv_redis_url):
+    tier = _remote_tier(kv_redis_url, b"evict-tail-first" * 2, budget_bytes=1 << 30)
+    tier.put([_demoted("t-a", 100)])
+    entry = int(tier.client.get(tier._total))
+    tier.client.delete(tier._lru, tier._sizes, tier._total, tier.key("t-a", _demoted("t-a", 100).record.block_hash))
+    tier.budget_bytes = 5 * entry
+    chain = [_demoted("t-a", i, position=i) for i in range(8)]  # one write, one millisecond
+    tier.put(chain)
+    assert tier.counters["blocks_evicted_total"] == 3
+    assert _held(tier, "t-a", range(8)) == [0, 1, 2, 3, 4]  # the head survives; the tail went first

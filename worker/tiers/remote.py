@@ -41,20 +41,27 @@ redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[1]))
 local total = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]) - (tonumber(old) or 0))
 local evicted = {}
 while total > tonumber(ARGV[4]) do
-  local victims = redis.call('ZPOPMIN', KEYS[2], 16)
-  if #victims == 0 then break end
-  for i = 1, #victims, 2 do
-    local size = tonumber(redis.call('HGET', KEYS[3], victims[i])) or 0
-    redis.call('HDEL', KEYS[3], victims[i])
-    redis.call('DEL', victims[i])
-    total = redis.call('DECRBY', KEYS[4], size)
-    evicted[#evicted + 1] = victims[i]
-  end
+  local victim = redis.call('ZPOPMIN', KEYS[2], 1)[1]
+  if victim == nil then break end
+  local size = tonumber(redis.call('HGET', KEYS[3], victim)) or 0
+  redis.call('HDEL', KEYS[3], victim)
+  redis.call('DEL', victim)
+  total = redis.call('DECRBY', KEYS[4], size)
+  evicted[#evicted + 1] = victim
 end
 return evicted
 """
+# Eviction takes one victim at a time, just enough to fit the budget: the oldest first and, among the
+# blocks of one write, the deepest first (a chain's tail is useless without its head, never the reverse).
+# The score is the write time in ms plus a fraction that falls with the block's depth in its chain.
 
 ERRORS = (redis.RedisError, OSError)
+
+
+def _score(now_ms: int, position: int) -> str:
+    """The LRU score of a block written at ``now_ms``: later writes score higher, and so do the shallower
+    blocks of one write (1/1024 ms apart: exact in a double until the year 2109)."""
+    return repr(now_ms + (1023 - min(max(position, 0), 1023)) / 1024)
 
 
 class RemoteUnavailable(RuntimeError):
@@ -175,7 +182,7 @@ class RemoteTier:
                     entry = self.cipher.seal(block.namespace_id, entry)
                 accounting, budget = self._accounting(block.namespace_id)
                 keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
-                self._put(keys=keys, args=[entry, self.ttl_ms, now_ms, budget], client=pipe)
+                self._put(keys=keys, args=[entry, self.ttl_ms, _score(now_ms, block.position), budget], client=pipe)
             evicted = pipe.execute()
         except ERRORS as exc:
             self._failed(exc)
@@ -238,8 +245,10 @@ class RemoteTier:
                 if found:
                     touch = self.client.pipeline(transaction=False)
                     now_ms = int(time.time() * 1000)
-                    for key, ns in zip(keys[:found], namespace_ids[start : start + found], strict=True):
-                        touch.zadd(self._accounting(ns)[0][0], {key: now_ms})
+                    for depth, (key, ns) in enumerate(
+                        zip(keys[:found], namespace_ids[start : start + found], strict=True), start=start
+                    ):
+                        touch.zadd(self._accounting(ns)[0][0], {key: _score(now_ms, depth)})
                     for key in keys[:found]:
                         touch.pexpire(key, self.ttl_ms)
                     touch.execute()
