@@ -339,19 +339,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def prompt_lint(request: web.Request) -> web.Response:
     """What canonicalization would change in a chat request, and the prompt tokens of reuse it costs.
-    Rate-limited like any tenant call; not billed (no usage record)."""
+    Rate-limited and admitted like any tenant call (it counts against ``max_concurrent_requests`` and
+    runs in the tenant's share of the CPU pool); bounded by ``max_prompt_chars`` but not by the
+    context window (a prompt being shortened can be linted); not billed (no usage record)."""
     tenant = authenticate(request)
-    headers = await check_rate_limit(request, tenant)
-    parsed = parse_chat(await read_json(await request.read()))
-    pipeline = request.config_dict[PIPELINE]
-    if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
-        message = (
-            f"prompt lint needs the model's tokenizer: '{parsed.model}' is served by an external upstream"
-        )
-        raise InvalidRequest(message, param="model", code="unsupported_model")
-    model = pipeline.resolve_model(parsed.model)
-    pipeline.check_prompt_size(parsed, model, context_window=False)
-    body = await pipeline.run_cpu(request.config_dict[CANONICALIZER].lint, tenant, model, parsed)
+    gate = request.config_dict[ADMISSION]
+    gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)
+    try:
+        headers = await check_rate_limit(request, tenant)
+        parsed = parse_chat(await read_json(await request.read()))
+        pipeline = request.config_dict[PIPELINE]
+        if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
+            message = (
+                f"prompt lint needs the model's tokenizer: '{parsed.model}' is served by an external upstream"
+            )
+            raise InvalidRequest(message, param="model", code="unsupported_model")
+        model = pipeline.resolve_model(parsed.model)
+        pipeline.check_prompt_size(parsed, model, context_window=False)
+        lint = request.config_dict[CANONICALIZER].lint
+        body = await pipeline.run_cpu(lint, tenant, model, parsed, owner=tenant.tenant_id)
+    finally:
+        gate.leave(tenant.tenant_id, 1)
     if tenant.near_miss_routing:  # where this tenant's similar prompts parted: canonicalization candidates
         body["near_miss_findings"] = await request.config_dict[NEAR_MISS].findings(tenant.tenant_id)
     return openai_format.json_response(body, headers=headers)

@@ -233,9 +233,12 @@ class RequestPipeline:
         limit = self._max_prompt_chars
         check_prompt_size(request, model, max_prompt_chars=limit, context_window=context_window)
 
-    async def run_cpu(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the CPU pool (inline when the pipeline has none, as in unit tests)."""
-        return fn(*args) if self._cpu is None else await self._cpu.run(fn, *args)
+    async def run_cpu(self, fn: Callable[..., T], *args: Any, owner: str | None = None) -> T:
+        """``fn(*args)`` on the CPU pool (inline when the pipeline has none, as in unit tests), within
+        ``owner``'s fair share of it when given (a tenant id: ``CpuPool.run_for``)."""
+        if self._cpu is None:
+            return fn(*args)
+        return await (self._cpu.run(fn, *args) if owner is None else self._cpu.run_for(owner, fn, *args))
 
     def render(
         self, tenant: TenantPolicy, request: ChatRequest | CompletionRequest, model: ModelRuntime
@@ -371,7 +374,9 @@ class RequestPipeline:
     ) -> PreparedRequest:
         model = self.resolve_model(request.model)
         self.check_prompt_size(request, model)
-        prompt: RenderedPrompt = await self.run_cpu(self.render, tenant, request, model)
+        prompt: RenderedPrompt = await self.run_cpu(
+            self.render, tenant, request, model, owner=tenant.tenant_id
+        )
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
         promotion = await self._promotion.match(tenant, model, prompt)

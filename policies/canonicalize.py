@@ -44,6 +44,7 @@ from policies.chat_text import (
 )
 from policies.fragments import (
     BUILTIN_RULES,
+    MAX_FRAGMENTS_PER_REQUEST,
     PLACEHOLDER,
     FragmentRule,
     compile_tenant_rules,
@@ -150,6 +151,7 @@ class CanonicalizationReport:
     whitespace: tuple[WhitespaceChange, ...] = ()
     tools_changed: bool = False  # tools/functions were (or would be) reordered or re-keyed
     num_moved: int = 0  # fragments moved into the note: the x-prefixgate-canonicalized header
+    fragment_limit_reached: bool = False  # MAX_FRAGMENTS_PER_REQUEST found: the rest was not scanned
 
     @property
     def rules_fired(self) -> tuple[str, ...]:
@@ -162,6 +164,7 @@ class CanonicalizationReport:
             "fragments": [f.to_json() for f in self.fragments],
             "whitespace": [w.to_json() for w in self.whitespace],
             "tools_changed": self.tools_changed,
+            "fragment_limit_reached": self.fragment_limit_reached,
         }
 
 
@@ -204,6 +207,7 @@ def canonicalize_request(request: Mapping[str, Any], policy: CanonicalizationPol
         whitespace=whitespace,
         tools_changed=tools_changed,
         num_moved=len(fragments) if mode.rewrites else 0,
+        fragment_limit_reached=len(fragments) >= MAX_FRAGMENTS_PER_REQUEST,
     )
     if mode.rewrites and (fragments or whitespace):
         out["messages"] = new_messages
@@ -224,6 +228,7 @@ def _canonical_messages(
     fragments: list[Fragment] = []
     whitespace: list[WhitespaceChange] = []
     for message_index, part_index, text in iter_texts(body):
+        budget = MAX_FRAGMENTS_PER_REQUEST - len(fragments)
         if message_index >= end:
             break
         normalized, line_endings, trailing_runs, deletions = normalize_whitespace(text)
@@ -238,7 +243,7 @@ def _canonical_messages(
             )
         pieces: list[str] = []
         cursor = 0
-        for span in stable_fragments(normalized, policy.rules):
+        for span in stable_fragments(normalized, policy.rules, limit=budget) if budget > 0 else ():
             placeholder = f"[[{next_number}]]"
             next_number += 1
             start = original_offset(span.start, deletions)

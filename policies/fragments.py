@@ -44,6 +44,14 @@ _LABEL_CONTEXT = 48  # characters before a value searched for its ``preceded_by`
 # the next match ((?<!b)ab over "abab…") needs one round per fragment, each O(text): quadratic. Past the
 # cap, the remaining chain stays in place (it only costs that tenant some reuse of its own prompt).
 MAX_RESCAN_ROUNDS = 4
+# Fragments one request may have: real prompts carry a handful of dynamic values, not thousands. A 1 MB
+# text of "1:11:11 " holds 125,000 of them and cost 4-6 s of CPU to canonicalize (the rules' Python
+# checks run per match), so one tenant could occupy the gateway's CPU pool. Past the budget, matching
+# stops: fragments are found from the start of the prompt up to where the budget ran out, the rest of
+# the text stays as it is (reported as ``fragment_limit_reached``). Each rule examines at most
+# ``_EXAMINED_PER_FRAGMENT`` times the budget of regex matches (matches its checks reject count too).
+MAX_FRAGMENTS_PER_REQUEST = 1024
+_EXAMINED_PER_FRAGMENT = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,18 +212,27 @@ BUILTIN_RULES: Mapping[str, FragmentRule] = {
 }
 
 
-def find_fragments(text: str, rules: Iterable[FragmentRule]) -> list[FragmentSpan]:
+def find_fragments(text: str, rules: Iterable[FragmentRule], *, limit: int | None = None) -> list[FragmentSpan]:
     """Non-overlapping fragments of ``text``, ordered by position.
 
     Where matches overlap, the one that starts first wins, then the longest, then the earlier rule.
     Matches that overlap a placeholder (``[[n]]``, left by an earlier canonicalization), span a line
     break or exceed ``MAX_FRAGMENT_CHARS`` are ignored, so the result is stable under re-application.
+
+    With a ``limit``, at most that many, the first ones: a rule stops after examining
+    ``_EXAMINED_PER_FRAGMENT * limit`` matches, and only candidates before the earliest such stop (where
+    every rule's matches are known) are kept, so the result is the same as an unlimited scan's first ones.
     """
     protected = [m.span() for m in PLACEHOLDER.finditer(text)] if "[[" in text else []
     candidates: list[tuple[int, int, int, int, FragmentRule]] = []
+    horizon = len(text) + 1  # candidates starting before it are complete across rules
+    max_examined = None if limit is None else _EXAMINED_PER_FRAGMENT * max(limit, 1)
     for order, rule in enumerate(rules):
         has_value_group = "v" in rule.pattern.groupindex
-        for match in rule.pattern.finditer(text):
+        for examined, match in enumerate(rule.pattern.finditer(text)):
+            if max_examined is not None and (match.start() >= horizon or examined >= max_examined):
+                horizon = min(horizon, match.start())
+                break
             start, end = match.span(rule.pattern.groupindex["v"]) if has_value_group else match.span()
             value = text[start:end]
             if not value or len(value) > MAX_FRAGMENT_CHARS or "\n" in value or "\r" in value:
@@ -233,13 +250,15 @@ def find_fragments(text: str, rules: Iterable[FragmentRule]) -> list[FragmentSpa
     spans: list[FragmentSpan] = []
     taken_to = 0
     for start, _, _, end, rule in candidates:
+        if start >= horizon or (limit is not None and len(spans) >= limit):
+            break
         if start >= taken_to:
             spans.append(FragmentSpan(rule=rule.name, kind=rule.kind, start=start, end=end))
             taken_to = end
     return spans
 
 
-def stable_fragments(text: str, rules: Sequence[FragmentRule]) -> list[FragmentSpan]:
+def stable_fragments(text: str, rules: Sequence[FragmentRule], *, limit: int | None = None) -> list[FragmentSpan]:
     """Fragments of ``text`` such that, once each is replaced by a placeholder, no rule matches again.
 
     Replacing a fragment changes its neighbours' context (a boundary that failed may now succeed,
@@ -247,12 +266,13 @@ def stable_fragments(text: str, rules: Sequence[FragmentRule]) -> list[FragmentS
     until nothing new is found; this is what makes canonicalization idempotent. A new match can only
     appear near a new placeholder, so only windows around those are re-scanned. Each round adds at
     least one disjoint span; after ``MAX_RESCAN_ROUNDS`` rounds it stops, which keeps it linear in the
-    text on adversarial input (where the result may then not be idempotent).
+    text on adversarial input (where the result may then not be idempotent). With a ``limit``, at most
+    that many (``find_fragments``); re-scans stop once it is reached.
     """
-    spans = find_fragments(text, rules)
+    spans = find_fragments(text, rules, limit=limit)
     new = spans
     for _ in range(MAX_RESCAN_ROUNDS):
-        if not new:
+        if not new or (limit is not None and len(spans) >= limit):
             break
         masked, masks = _mask(text, spans)
         fresh = {(s.start, s.end) for s in new}
@@ -270,6 +290,8 @@ def stable_fragments(text: str, rules: Sequence[FragmentRule]) -> list[FragmentS
                     continue
                 shift = _shift_at(lo + span.start, masks)
                 new.append(replace(span, start=lo + span.start - shift, end=lo + span.end - shift))
+        if limit is not None:
+            new = sorted(new, key=lambda s: s.start)[: limit - len(spans)]
         spans = sorted(spans + new, key=lambda s: s.start)
     return spans
 

@@ -316,3 +316,69 @@ async def test_cpu_pool_runs_off_the_loop_and_refuses_past_its_queue():
     finally:
         release.set()
         pool.close()
+
+
+async def test_cpu_pool_gives_each_owner_a_share_and_refuses_its_own_flood():
+    """One owner's jobs past its share wait for its own threads, not the common ones."""
+    import threading
+
+    from gateway.cpu import CpuPool
+    from gateway.errors import RateLimited
+
+    pool = CpuPool(num_threads=2, max_waiting=8, per_owner=1, per_owner_waiting=2)
+    release = threading.Event()
+    try:
+        flood = [asyncio.create_task(pool.run_for("tenant-a", release.wait, 30)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(RateLimited) as refused:  # 1 running + 2 waiting: its fourth is its own 429
+            await pool.run_for("tenant-a", threading.get_ident)
+        assert refused.value.code == "too_many_prompts_in_preparation"
+        other = await asyncio.wait_for(pool.run_for("tenant-b", threading.get_ident), 30)
+        assert other != threading.get_ident() and not any(task.done() for task in flood)
+        release.set()
+        assert await asyncio.gather(*flood) == [True, True, True]
+        assert pool._shares == {}  # nothing kept per owner once its jobs are done
+    finally:
+        release.set()
+        pool.close()
+
+
+async def test_a_tenant_flooding_prompt_lint_neither_blocks_another_tenant_nor_exceeds_its_limit(
+    aiohttp_client, sqlite_url, tmp_path, worker_url, monkeypatch
+):
+    """Four 1 MB lints of one tenant on the 4-thread pool made another tenant's chat wait 30 s, and a
+    lint took no admission slot. Here the lints block until released: the other tenant is served
+    meanwhile, and the flooding tenant's lints count against its max_concurrent_requests."""
+    import threading
+
+    from gateway.state import CANONICALIZER
+
+    app = create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), cpu_threads=2))
+    gateway = await aiohttp_client(app)
+    release, started = threading.Event(), threading.Semaphore(0)
+    lint = app[CANONICALIZER].lint
+
+    def blocking_lint(*args):
+        started.release()
+        release.wait(60)
+        return lint(*args)
+
+    monkeypatch.setattr(app[CANONICALIZER], "lint", blocking_lint)
+    flooder = await new_tenant(gateway, name="flooder", max_concurrent_requests=3)
+    other = await new_tenant(gateway, name="other")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "at 2026-11-29T14:00:22Z"}]}
+    try:
+        lints = [
+            asyncio.create_task(gateway.post("/v1/prompt-lint", json=body, headers=auth(flooder)))
+            for _ in range(3)
+        ]
+        await asyncio.to_thread(started.acquire, True, 30)  # one runs (its share of 2 threads: 1)
+        refused = await gateway.post("/v1/prompt-lint", json=body, headers=auth(flooder))
+        assert refused.status == 429, await refused.text()  # its fourth: over max_concurrent_requests
+        served = await asyncio.wait_for(post(gateway, other, chat(max_tokens=1)), 60)
+        assert served[0] == 200 and not any(task.done() for task in lints)
+    finally:
+        release.set()
+    for task in lints:
+        response = await task
+        assert response.status == 200, await response.text()

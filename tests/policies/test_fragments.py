@@ -216,3 +216,37 @@ _pad = st.sampled_from([" ", "\n", "lorem ipsum " * 150, "x" * 700])
 @given(st.lists(st.one_of(_pieces, _pad), max_size=12).map("".join))
 def test_windowed_rescan_equals_a_full_rescan(text):
     assert [(s.start, s.end) for s in stable_fragments(text, RULES)] == _full_rescan_reference(text)
+
+
+def test_fragments_stop_at_the_limit_with_the_same_first_ones():
+    """A 1 MB text of time-like values held 125,000 fragments and cost seconds of CPU to scan; with a
+    limit the scan stops early and keeps exactly the first fragments an unlimited scan finds."""
+    import uuid
+
+    from policies.fragments import BUILTIN_RULES, stable_fragments
+
+    rules = tuple(BUILTIN_RULES.values())
+    text = " ".join(
+        f"at 2026-11-{1 + i % 28:02d}T10:{i % 60:02d}:05Z trace {uuid.UUID(int=i * 7919)} ok" for i in range(3000)
+    )
+    everything = stable_fragments(text, rules)
+    assert len(everything) == 6000 and len({span.rule for span in everything[:100]}) == 2
+    limited = stable_fragments(text, rules, limit=100)
+    assert limited == everything[:100]
+
+
+def test_canonicalization_reports_when_the_fragment_budget_ran_out():
+    from policies.canonicalize import CanonicalizationPolicy, canonicalize_request
+    from policies.fragments import MAX_FRAGMENTS_PER_REQUEST
+
+    many = "1:11:11 " * (2 * MAX_FRAGMENTS_PER_REQUEST)
+    request = {"messages": [{"role": "system", "content": many}, {"role": "user", "content": "at 10:11:12"}]}
+    for mode in ("report", "on"):
+        out = canonicalize_request(request, CanonicalizationPolicy.from_tenant(mode=mode))
+        assert len(out.report.fragments) == MAX_FRAGMENTS_PER_REQUEST
+        assert out.report.to_json()["fragment_limit_reached"] is True
+    few = canonicalize_request(
+        {"messages": [{"role": "system", "content": "now 10:11:12"}, {"role": "user", "content": "hi"}]},
+        CanonicalizationPolicy.from_tenant(mode="on"),
+    )
+    assert few.report.to_json()["fragment_limit_reached"] is False and len(few.report.fragments) == 1
