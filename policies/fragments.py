@@ -22,8 +22,9 @@ numeric ranges that would break that shape are checked by the rule's ``accept`` 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import re2
 
@@ -52,6 +53,12 @@ MAX_RESCAN_ROUNDS = 4
 # ``_EXAMINED_PER_FRAGMENT`` times the budget of regex matches (matches its checks reject count too).
 MAX_FRAGMENTS_PER_REQUEST = 1024
 _EXAMINED_PER_FRAGMENT = 4
+# ``re`` holds the GIL for a whole search: one ``finditer`` step over 1 MB without a match held it for
+# ~100 ms, stalling the event loop and every other tenant's thread. Long texts are searched in windows of
+# ``_SCAN_WINDOW`` characters that overlap by a match and its lookahead (each at most MAX_MATCH_CHARS), so
+# a match starting in a window is found whole, exactly as in one search, and the GIL is free between them.
+_SCAN_WINDOW = 1 << 15
+_SCAN_OVERLAP = 2 * MAX_MATCH_CHARS + 16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,6 +219,23 @@ BUILTIN_RULES: Mapping[str, FragmentRule] = {
 }
 
 
+def _matches(pattern: Any, text: str) -> Iterator[Any]:
+    """``pattern.finditer(text)``, searched window by window (``_SCAN_WINDOW``)."""
+    if len(text) <= _SCAN_WINDOW + _SCAN_OVERLAP:
+        yield from pattern.finditer(text)
+        return
+    pos = 0
+    while pos < len(text):
+        window_end = min(len(text), pos + _SCAN_WINDOW)
+        next_pos = window_end
+        for match in pattern.finditer(text, pos, min(len(text), window_end + _SCAN_OVERLAP)):
+            if match.start() >= window_end:
+                break
+            yield match
+            next_pos = max(window_end, match.end())
+        pos = next_pos
+
+
 def find_fragments(text: str, rules: Iterable[FragmentRule], *, limit: int | None = None) -> list[FragmentSpan]:
     """Non-overlapping fragments of ``text``, ordered by position.
 
@@ -229,7 +253,7 @@ def find_fragments(text: str, rules: Iterable[FragmentRule], *, limit: int | Non
     max_examined = None if limit is None else _EXAMINED_PER_FRAGMENT * max(limit, 1)
     for order, rule in enumerate(rules):
         has_value_group = "v" in rule.pattern.groupindex
-        for examined, match in enumerate(rule.pattern.finditer(text)):
+        for examined, match in enumerate(_matches(rule.pattern, text)):
             if max_examined is not None and (match.start() >= horizon or examined >= max_examined):
                 horizon = min(horizon, match.start())
                 break

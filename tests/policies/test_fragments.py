@@ -250,3 +250,32 @@ def test_canonicalization_reports_when_the_fragment_budget_ran_out():
         CanonicalizationPolicy.from_tenant(mode="on"),
     )
     assert few.report.to_json()["fragment_limit_reached"] is False and len(few.report.fragments) == 1
+
+
+def test_long_texts_are_searched_in_windows_with_the_same_matches():
+    """``re`` holds the GIL for a whole search step: long texts are searched in overlapping windows,
+    which must find exactly what one search finds, also for matches cut by a window's edge."""
+    import random
+
+    from policies import fragments
+    from policies.fragments import BUILTIN_RULES, _matches
+
+    rng = random.Random(7)
+    pieces = [
+        "2026-11-29T14:03:22Z", "10:11:12", "550e8400-e29b-41d4-a716-446655440000", "req_a1b2c3d4e5",
+        "timestamp: 1732888888", "3f2a9c1b7d4e8f60a1b2c3d4e5f60718", "Mon, 29 Nov 2026", "lorem ipsum ",
+        "1" * 40, "a1" * 40, "-", ":", " ", "\n",
+    ]
+    text = "".join(rng.choice(pieces) for _ in range(12_000))
+    assert len(text) > 4 * fragments._SCAN_WINDOW
+    patterns = [rule.pattern for rule in BUILTIN_RULES.values()]
+    patterns.append(fragments.compile_tenant_rules({"ticket": r"TK-[0-9]{4,12}"})[0].pattern)
+    text += " TK-12345678 " * 50
+    for pattern in patterns:
+        expected = [m.span() for m in pattern.finditer(text)]
+        assert [m.span() for m in _matches(pattern, text)] == expected, pattern.pattern
+    short = text[: fragments._SCAN_WINDOW + fragments._SCAN_OVERLAP + 2000]  # two windows
+    for window in range(fragments._SCAN_WINDOW - 300, fragments._SCAN_WINDOW + 300, 41):  # across the cut
+        cut = short[:window] + "2026-11-29T14:03:22.123456+01:00" + short[window:]
+        for pattern in patterns:
+            assert [m.span() for m in _matches(pattern, cut)] == [m.span() for m in pattern.finditer(cut)]
