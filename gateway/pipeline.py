@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -83,16 +84,21 @@ class PromotionMatch:
     prefixes: tuple[BoundaryPrefix, ...] = ()  # the request's boundary prefixes, counted once served
 
 
+CpuRunner = Callable[..., Awaitable[Any]]  # ``fn, *args`` -> ``fn(*args)`` on the CPU pool
+
+
 class PromotionLookup(Protocol):
     """Hot-prefix promotion as the pipeline sees it.
 
     ``match`` gets the rendered prompt so it can find message boundaries (``policies.chat_text``) and
-    the boundary prefixes' hashes (``policies.promotion.boundary_prefixes``); it only reads. ``served``
+    the boundary prefixes' hashes (``policies.promotion.boundary_prefixes``); it only reads, and runs
+    that work (a second render of the whole prompt, a hash per block) through ``run_cpu``, the
+    tenant's share of the CPU pool, never on the event loop. ``served``
     counts a request once the worker has served it (never before: a refused request must not count).
     """
 
     async def match(
-        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt, *, run_cpu: CpuRunner
     ) -> PromotionMatch: ...
 
     def served(
@@ -103,7 +109,7 @@ class PromotionLookup(Protocol):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoPromotion:
     async def match(
-        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt, *, run_cpu: CpuRunner
     ) -> PromotionMatch:
         return PromotionMatch()
 
@@ -379,7 +385,8 @@ class RequestPipeline:
         )
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
-        promotion = await self._promotion.match(tenant, model, prompt)
+        run_cpu = functools.partial(self.run_cpu, owner=tenant.tenant_id)
+        promotion = await self._promotion.match(tenant, model, prompt, run_cpu=run_cpu)
         promoted = promotion.promoted_prefix_tokens
         segments = self.segments(tenant, promoted_prefix_tokens=promoted)
         route_request = self.route_request(model, token_ids, segments, request.prompt_cache_key)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime, TemplateError
-from gateway.pipeline import PromotionMatch, RenderedPrompt
+from gateway.pipeline import CpuRunner, PromotionMatch, RenderedPrompt
 from gateway.schemas import ChatRequest
 from policies.chat_text import (
     char_to_token_offsets,
@@ -149,11 +149,11 @@ class HotPrefixPromotion:
                 del self._pending[prefix_hash]
 
     async def match(
-        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt
+        self, tenant: TenantPolicy, model: ModelRuntime, prompt: RenderedPrompt, *, run_cpu: CpuRunner
     ) -> PromotionMatch:
         if not hot_prefix_access(tenant.isolation, tenant.share_hot_prefixes):
             return PromotionMatch()
-        prefixes = prompt_boundary_prefixes(model, prompt)
+        prefixes = await run_cpu(prompt_boundary_prefixes, model, prompt)
         if not prefixes:
             return PromotionMatch()
         promoted = self.promoted

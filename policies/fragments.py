@@ -236,7 +236,9 @@ def _matches(pattern: Any, text: str) -> Iterator[Any]:
         pos = next_pos
 
 
-def find_fragments(text: str, rules: Iterable[FragmentRule], *, limit: int | None = None) -> list[FragmentSpan]:
+def find_fragments(
+    text: str, rules: Iterable[FragmentRule], *, limit: int | None = None
+) -> list[FragmentSpan]:
     """Non-overlapping fragments of ``text``, ordered by position.
 
     Where matches overlap, the one that starts first wins, then the longest, then the earlier rule.
@@ -282,7 +284,9 @@ def find_fragments(text: str, rules: Iterable[FragmentRule], *, limit: int | Non
     return spans
 
 
-def stable_fragments(text: str, rules: Sequence[FragmentRule], *, limit: int | None = None) -> list[FragmentSpan]:
+def stable_fragments(
+    text: str, rules: Sequence[FragmentRule], *, limit: int | None = None
+) -> list[FragmentSpan]:
     """Fragments of ``text`` such that, once each is replaced by a placeholder, no rule matches again.
 
     Replacing a fragment changes its neighbours' context (a boundary that failed may now succeed,

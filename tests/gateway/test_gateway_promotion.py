@@ -131,3 +131,23 @@ async def test_revoked_prefix_is_private_again_and_not_promoted_back(gateway):
 
     missing = await gateway.delete("/admin/v1/hot-prefixes/hp_nope", headers=ADMIN)
     assert missing.status == 404
+
+
+async def test_boundary_prefixes_are_found_off_the_event_loop(gateway, monkeypatch):
+    """Matching a prompt against promoted prefixes renders the whole prompt again and hashes every
+    block: it ran on the event loop, where a long prompt stalled every tenant."""
+    import threading
+
+    from gateway import promotion
+
+    threads: list[int] = []
+    find = promotion.prompt_boundary_prefixes
+
+    def recorded(*args):
+        threads.append(threading.get_ident())
+        return find(*args)
+
+    monkeypatch.setattr(promotion, "prompt_boundary_prefixes", recorded)
+    key = await tenant(gateway, "off-loop", share_hot_prefixes=True)
+    await ask(gateway, key, system_with("a prompt with boundaries"), "question")
+    assert threads and threading.get_ident() not in threads

@@ -227,7 +227,8 @@ def test_fragments_stop_at_the_limit_with_the_same_first_ones():
 
     rules = tuple(BUILTIN_RULES.values())
     text = " ".join(
-        f"at 2026-11-{1 + i % 28:02d}T10:{i % 60:02d}:05Z trace {uuid.UUID(int=i * 7919)} ok" for i in range(3000)
+        f"at 2026-11-{1 + i % 28:02d}T10:{i % 60:02d}:05Z trace {uuid.UUID(int=i * 7919)} ok"
+        for i in range(3000)
     )
     everything = stable_fragments(text, rules)
     assert len(everything) == 6000 and len({span.rule for span in everything[:100]}) == 2
@@ -262,9 +263,20 @@ def test_long_texts_are_searched_in_windows_with_the_same_matches():
 
     rng = random.Random(7)
     pieces = [
-        "2026-11-29T14:03:22Z", "10:11:12", "550e8400-e29b-41d4-a716-446655440000", "req_a1b2c3d4e5",
-        "timestamp: 1732888888", "3f2a9c1b7d4e8f60a1b2c3d4e5f60718", "Mon, 29 Nov 2026", "lorem ipsum ",
-        "1" * 40, "a1" * 40, "-", ":", " ", "\n",
+        "2026-11-29T14:03:22Z",
+        "10:11:12",
+        "550e8400-e29b-41d4-a716-446655440000",
+        "req_a1b2c3d4e5",
+        "timestamp: 1732888888",
+        "3f2a9c1b7d4e8f60a1b2c3d4e5f60718",
+        "Mon, 29 Nov 2026",
+        "lorem ipsum ",
+        "1" * 40,
+        "a1" * 40,
+        "-",
+        ":",
+        " ",
+        "\n",
     ]
     text = "".join(rng.choice(pieces) for _ in range(12_000))
     assert len(text) > 4 * fragments._SCAN_WINDOW

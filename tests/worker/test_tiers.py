@@ -253,7 +253,9 @@ def _demoted(ns: str, i: int, position: int = 0):
     from worker.tiers.host import DemotedBlock
 
     return DemotedBlock(
-        record=BlockRecord(block_hash=bytes([i % 256, i // 256]) * 16, parent_hash=None, token_ids=tuple(range(16))),
+        record=BlockRecord(
+            block_hash=bytes([i % 256, i // 256]) * 16, parent_hash=None, token_ids=tuple(range(16))
+        ),
         namespace_id=ns,
         position=position,
         data=torch.full((2, 2, 16, 2, 16), float(i)),
@@ -280,7 +282,9 @@ def test_redis_evicts_a_chain_tail_first_within_one_write(kv_redis_url):
     tier = _remote_tier(kv_redis_url, b"evict-tail-first" * 2, budget_bytes=1 << 30)
     tier.put([_demoted("t-a", 100)])
     entry = int(tier.client.get(tier._total))
-    tier.client.delete(tier._lru, tier._sizes, tier._total, tier.key("t-a", _demoted("t-a", 100).record.block_hash))
+    tier.client.delete(
+        tier._lru, tier._sizes, tier._total, tier.key("t-a", _demoted("t-a", 100).record.block_hash)
+    )
     tier.budget_bytes = 5 * entry
     chain = [_demoted("t-a", i, position=i) for i in range(8)]  # one write, one millisecond
     tier.put(chain)

@@ -182,7 +182,9 @@ class RemoteTier:
                     entry = self.cipher.seal(block.namespace_id, entry)
                 accounting, budget = self._accounting(block.namespace_id)
                 keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
-                self._put(keys=keys, args=[entry, self.ttl_ms, _score(now_ms, block.position), budget], client=pipe)
+                self._put(
+                    keys=keys, args=[entry, self.ttl_ms, _score(now_ms, block.position), budget], client=pipe
+                )
             evicted = pipe.execute()
         except ERRORS as exc:
             self._failed(exc)
