@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 import blake3
 import orjson
+from aiohttp.http_exceptions import LineTooLong
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from yarl import URL
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_ANSWER_BYTES = 32 << 20  # a non-streamed answer larger than this is refused (502), not buffered
 MAX_ERROR_BYTES = 64 << 10  # of an error body, only this much is read (its message)
+_DONE = object()  # the end of an SSE stream
 
 
 def _derived(label: bytes, upstream_name: str, namespace_key: bytes, extra: bytes = b"") -> str:
@@ -275,44 +277,54 @@ class OpenAIUpstream:
     ) -> AsyncIterator[dict[str, Any]]:
         """The upstream's SSE chunks as dicts (``[DONE]`` ends it). Closing the iterator early (client
         gone) closes the connection, which vLLM/SGLang/OpenAI treat as an abort. An ``{"error"}`` chunk,
-        an unreadable or oversized line, or a broken connection raises ``UpstreamError``."""
+        an unreadable, malformed or oversized line, a stream without any chunk, or a broken connection
+        raises ``UpstreamError``."""
         async with self._open(route.urls, path, body, x_request_id) as response:
+            num_chunks = 0
             try:
                 async for line in response.content:
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue  # blank lines, ": keep-alive" comments, "event:" lines
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    try:
-                        chunk = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        log.warning("upstream %s sent an unreadable stream chunk: %r", self.name, data[:200])
-                        raise UpstreamError(
-                            f"upstream '{self.name}' sent an unreadable stream chunk", code="upstream_error"
-                        ) from None
-                    if not isinstance(chunk, dict):
-                        continue
-                    choices = chunk.get("choices")
-                    if choices is not None and not (
-                        isinstance(choices, list) and all(isinstance(choice, dict) for choice in choices)
-                    ):
-                        log.warning("upstream %s sent malformed choices: %r", self.name, data[:200])
-                        raise UpstreamError(
-                            f"upstream '{self.name}' sent a malformed stream chunk", code="upstream_error"
-                        )
-                    if chunk.get("error"):
-                        message, _, _ = _upstream_message(data, 500)
-                        raise UpstreamError(f"upstream '{self.name}' error: {message}", code="upstream_error")
-                    yield chunk
-            except ValueError as exc:  # aiohttp: a line longer than its buffer ("Chunk too big")
-                if isinstance(exc, orjson.JSONDecodeError):
-                    raise
+                    chunk = self._sse_chunk(line.strip())
+                    if chunk is _DONE:
+                        break
+                    if chunk is not None:
+                        num_chunks += 1
+                        yield chunk
+            except (LineTooLong, ValueError) as exc:  # aiohttp: a line longer than its buffer
                 log.warning("upstream %s sent an oversized stream line: %s", self.name, exc)
                 raise UpstreamError(
                     f"upstream '{self.name}' sent an oversized stream line", code="upstream_error"
                 ) from None
+            if num_chunks == 0:  # not an SSE stream of chunks (an NDJSON server, an HTML page …)
+                log.warning("upstream %s sent a stream without any data chunk", self.name)
+                raise UpstreamError(
+                    f"upstream '{self.name}' sent a stream without any data chunk", code="upstream_error"
+                )
+
+    def _sse_chunk(self, line: bytes) -> Any:
+        """The chunk of one SSE line: a dict, ``_DONE``, or None (nothing to relay). Raises
+        ``UpstreamError`` for an error event and for what is not an OpenAI chunk."""
+        if not line.startswith(b"data:"):
+            return None  # blank lines, ": keep-alive" comments, "event:" lines
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return _DONE
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            chunk = _DONE  # a sentinel that is not a dict: refused below
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        if not isinstance(chunk, dict) or (
+            choices is not None
+            and not (isinstance(choices, list) and all(isinstance(choice, dict) for choice in choices))
+        ):
+            log.warning("upstream %s sent an unreadable stream chunk: %r", self.name, data[:200])
+            raise UpstreamError(
+                f"upstream '{self.name}' sent a malformed stream chunk", code="upstream_error"
+            )
+        if chunk.get("error"):
+            message, _, _ = _upstream_message(data, 500)
+            raise UpstreamError(f"upstream '{self.name}' error: {message}", code="upstream_error")
+        return chunk
 
     async def probe(self, url: str) -> bool:
         """``GET /models`` on ``url`` within the connect timeout: any HTTP answer is alive."""
