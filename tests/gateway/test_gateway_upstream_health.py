@@ -12,10 +12,7 @@ openai SDK.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
 import aiohttp
@@ -37,44 +34,11 @@ from tests.gateway.test_gateway_upstream_openai import (
     messages,
     recording_proxy,
 )
+from tests.upstreams import blackhole, hung_server
 
 # Unique prompts spread over two URLs by rendezvous hashing: with this many, fewer than 3 put the bad URL
 # first has probability 30·29/2 · 2^-30 + … < 1e-6.
 NUM_REQUESTS = 30
-
-
-@contextlib.contextmanager
-def blackhole() -> Iterator[str]:
-    """A base URL whose connections time out: a listener whose accept queue is full drops new SYNs."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(3):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    time.sleep(0.1)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        for sock in (*fillers, listener):
-            sock.close()
-
-
-@contextlib.contextmanager
-def hung_server() -> Iterator[str]:
-    """A base URL that takes TCP connections (the kernel accepts them) and never answers."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
-    finally:
-        listener.close()
 
 
 async def _front(aiohttp_client, aiohttp_server, gateway, sqlite_template, tmp_path, bad: str, **upstream):
