@@ -102,6 +102,7 @@ def main() -> None:
                     "connect_timeout_s": CONNECT_TIMEOUT_S,
                     "down_s": 600,
                     "failure_threshold": threshold,
+                    "probe_interval_s": 0,  # the passive breaker alone
                 }
                 env = envs[name] | {
                     "PREFIXGATE_WORKER_URLS": "",

@@ -41,7 +41,7 @@ class OpenAIUpstreamConfig:
     connect_timeout_s: float = 5.0
     down_s: float = 5.0  # cool-down of a URL's open circuit breaker (gateway.upstream_health)
     failure_threshold: int = 2  # consecutive connect failures/timeouts that open a URL's breaker
-    probe_interval_s: float = 0.0  # active health probe (GET /v1/models) of each URL; 0: off
+    probe_interval_s: float = 10.0  # active health probe (GET /v1/models) of each URL; 0: off
 
     def upstream_model(self, model_id: str) -> str | None:
         return dict(self.models).get(model_id)
@@ -85,7 +85,7 @@ def parse_upstream(raw: Mapping[str, Any], env: Mapping[str, str], index: int = 
         connect_timeout_s=float(raw.get("connect_timeout_s", 5.0)),
         down_s=float(raw.get("down_s", 5.0)),
         failure_threshold=max(1, int(raw.get("failure_threshold", 2))),
-        probe_interval_s=max(0.0, float(raw.get("probe_interval_s", 0.0))),
+        probe_interval_s=max(0.0, float(raw.get("probe_interval_s", 10.0))),
     )
 
 

@@ -193,7 +193,7 @@ def billing_usage(usage: Any, *, max_completion_tokens: int | None = None) -> di
     billed["cached_tokens"] = min(billed["cached_tokens"], billed["prompt_tokens"])
     reported = (prompt, completion, cached or 0)
     if reported != (billed["prompt_tokens"], billed["completion_tokens"], billed["cached_tokens"]):
-        log.warning("upstream usage clamped: reported %s, billed %s", usage, billed)
+        log.warning("upstream usage clamped: reported %.300r, billed %s", usage, billed)
     return billed
 
 
@@ -229,6 +229,7 @@ async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRe
     call.usage = billed
     if billed is None:
         call.outcome = OUTCOME_USAGE_UNREPORTED
+        data.pop("usage", None)  # whatever it was, it is not a usage the client can read
     else:
         data["usage"] = client_usage(billed, forwarded, call)
     data.update(id=call.completion_id, model=forwarded.request.model)

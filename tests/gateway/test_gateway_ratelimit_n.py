@@ -111,7 +111,9 @@ async def test_n_counts_n_concurrent_requests(aiohttp_client, sqlite_url, tmp_pa
     accepts), until the test closes that listener (the request then fails and gives its slots back).
     No timing: every check waits on the admission gate's state."""
     with hung_server() as hung:
-        held_upstream = OpenAIUpstreamConfig(name="held", urls=(hung,), models=((HELD_MODEL, MODEL),))
+        held_upstream = OpenAIUpstreamConfig(
+            name="held", urls=(hung,), models=((HELD_MODEL, MODEL),), probe_interval_s=0
+        )
         config = make_config(
             sqlite_url, tmp_path, worker_urls=(worker_url,), openai_upstreams=(held_upstream,)
         )

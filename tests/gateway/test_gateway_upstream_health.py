@@ -182,7 +182,12 @@ async def test_one_tenants_hanging_streams_do_not_hold_the_connections_another_n
     key = (await create_tenant(gateway, name="front-gateway"))["api_key"]
     with hung_server() as hung:
         hung_upstream = OpenAIUpstreamConfig(
-            name="hung", urls=(hung,), models=(("hung-model", MODEL),), timeout_s=60, failure_threshold=10**6
+            name="hung",
+            urls=(hung,),
+            models=(("hung-model", MODEL),),
+            timeout_s=60,
+            failure_threshold=10**6,
+            probe_interval_s=0,
         )
         app = front_app(
             sqlite_template, tmp_path / "front", str(proxy.make_url("/v1")), api_key=key,

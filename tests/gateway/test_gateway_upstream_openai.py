@@ -98,7 +98,7 @@ def front_app(
     ``OpenAIUpstreamConfig`` fields; ``config``: more ``GatewayConfig`` fields)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(sqlite_template, data_dir / "front.db")
-    fields = {"timeout_s": 60, **(upstream or {})}
+    fields = {"timeout_s": 60, "probe_interval_s": 0, **(upstream or {})}  # no probe among recorded requests
     upstream_config = OpenAIUpstreamConfig(
         name="pg-upstream",
         urls=urls,
