@@ -231,8 +231,10 @@ async def upstreams_ctx(app: web.Application) -> AsyncIterator[None]:
         # side: a request sent on a connection the server is closing fails as "disconnected" (502).
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
         session = aiohttp.ClientSession(connector=connector)
-    app[UPSTREAMS] = UpstreamRegistry(config.openai_upstreams, session)
+    app[UPSTREAMS] = upstreams = UpstreamRegistry(config.openai_upstreams, session)
+    upstreams.start(app[METRICS].registry)  # URL health metrics, active probes
     yield
+    await upstreams.close()
     if session is not None:
         await session.close()
 

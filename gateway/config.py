@@ -39,14 +39,16 @@ class OpenAIUpstreamConfig:
     api_key: str | None = field(default=None, repr=False)  # sent as the bearer; never logged
     timeout_s: float = 600.0  # a whole request (streams included)
     connect_timeout_s: float = 5.0
-    down_s: float = 5.0  # a URL that refused a connection is skipped this long
+    down_s: float = 5.0  # cool-down of a URL's open circuit breaker (gateway.upstream_health)
+    failure_threshold: int = 2  # consecutive connect failures/timeouts that open a URL's breaker
+    probe_interval_s: float = 10.0  # active health probe (GET /v1/models) of each URL; 0: off
 
     def upstream_model(self, model_id: str) -> str | None:
         return dict(self.models).get(model_id)
 
 
 _UPSTREAM_KEYS = {"name", "url", "urls", "models", "flavour", "api_key", "api_key_env", "timeout_s"}
-_UPSTREAM_KEYS |= {"connect_timeout_s", "down_s"}
+_UPSTREAM_KEYS |= {"connect_timeout_s", "down_s", "failure_threshold", "probe_interval_s"}
 
 
 def parse_upstream(raw: Mapping[str, Any], env: Mapping[str, str], index: int = 0) -> OpenAIUpstreamConfig:
@@ -82,6 +84,8 @@ def parse_upstream(raw: Mapping[str, Any], env: Mapping[str, str], index: int = 
         timeout_s=float(raw.get("timeout_s", 600.0)),
         connect_timeout_s=float(raw.get("connect_timeout_s", 5.0)),
         down_s=float(raw.get("down_s", 5.0)),
+        failure_threshold=max(1, int(raw.get("failure_threshold", 2))),
+        probe_interval_s=max(0.0, float(raw.get("probe_interval_s", 10.0))),
     )
 
 

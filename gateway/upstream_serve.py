@@ -13,8 +13,11 @@ tokenizer, which an external upstream does not share: the upstream checks its ow
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,9 @@ from gateway.schemas import ChatRequest, CompletionRequest, read_json
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
-from tenancy.usage_types import OUTCOME_SERVER_ERROR, OUTCOME_USAGE_UNREPORTED
+from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_SERVER_ERROR, OUTCOME_USAGE_UNREPORTED
+
+log = logging.getLogger(__name__)
 
 CANONICALIZED_HEADER = "x-prefixgate-canonicalized"
 # Not forwarded: they identify the tenant's end users to a third party and change nothing upstream.
@@ -47,6 +52,8 @@ class ForwardedRequest:
     path: str  # "/chat/completions" | "/completions"
     body: dict[str, Any]
     num_limit_tokens: int  # estimated prompt + n × max_tokens, for the token-per-minute limit
+    num_prompt_estimate: int  # characters / 4: billed only when the upstream's own count is lost
+    max_completion_tokens: int | None  # n × max_tokens (None: the upstream's default): a usage bound
     num_canonicalized: int = 0
 
 
@@ -152,24 +159,42 @@ async def prepare(
         path="/chat/completions" if chat else "/completions",
         body=_body(raw, parsed, route, isolation, max_tokens),
         num_limit_tokens=num_prompt_estimate + num_new,
+        num_prompt_estimate=num_prompt_estimate,
+        max_completion_tokens=None if max_tokens is None else max_tokens * parsed.sampling.n,
         num_canonicalized=num_moved,
     )
 
 
-def billing_usage(usage: Any) -> dict[str, Any] | None:
+# The largest count a usage record stores (an INTEGER column): anything above is nonsense from upstream.
+MAX_REPORTED_TOKENS = 2**31 - 1
+
+
+def _count(value: Any) -> int | None:
+    """A token count as reported (bool is not a count), or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def billing_usage(usage: Any, *, max_completion_tokens: int | None = None) -> dict[str, Any] | None:
     """The billing form of an upstream's OpenAI ``usage`` (None: it reported none we can read). A
-    missing ``cached_tokens`` is 0: no discount that the upstream did not report."""
-    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+    missing ``cached_tokens`` is 0: no discount that the upstream did not report. Counts that cannot
+    be true are clamped and logged: negative ones to 0, ``cached_tokens`` to ``prompt_tokens``,
+    ``completion_tokens`` to what the request allowed (``n`` × ``max_tokens``, when known)."""
+    if not isinstance(usage, dict) or (prompt := _count(usage.get("prompt_tokens"))) is None:
         return None
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    completion = usage.get("completion_tokens")
-    return {
-        "prompt_tokens": usage["prompt_tokens"],
-        "completion_tokens": completion if isinstance(completion, int) else 0,
-        "cached_tokens": cached if isinstance(cached, int) else 0,
-        "cached_tokens_reported": isinstance(cached, int),
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    completion = _count(usage.get("completion_tokens")) or 0
+    billed = {
+        "prompt_tokens": min(max(prompt, 0), MAX_REPORTED_TOKENS),
+        "completion_tokens": min(max(completion, 0), max_completion_tokens or MAX_REPORTED_TOKENS),
+        "cached_tokens": max(cached or 0, 0),
+        "cached_tokens_reported": cached is not None,
     }
+    billed["cached_tokens"] = min(billed["cached_tokens"], billed["prompt_tokens"])
+    reported = (prompt, completion, cached or 0)
+    if reported != (billed["prompt_tokens"], billed["completion_tokens"], billed["cached_tokens"]):
+        log.warning("upstream usage clamped: reported %.300r, billed %s", usage, billed)
+    return billed
 
 
 def client_usage(billed: dict[str, Any], forwarded: ForwardedRequest, call: TenantCall) -> dict[str, Any]:
@@ -200,14 +225,31 @@ async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRe
     if forwarded.request.stream:
         return await _stream(request, call, forwarded)
     data = await forwarded.upstream.complete(forwarded.route, forwarded.path, forwarded.body, call.request_id)
-    billed = billing_usage(data.get("usage"))
+    billed = billing_usage(data.get("usage"), max_completion_tokens=forwarded.max_completion_tokens)
     call.usage = billed
     if billed is None:
         call.outcome = OUTCOME_USAGE_UNREPORTED
+        data.pop("usage", None)  # whatever it was, it is not a usage the client can read
     else:
         data["usage"] = client_usage(billed, forwarded, call)
     data.update(id=call.completion_id, model=forwarded.request.model)
     return json_response(data, headers=_headers(call, forwarded))
+
+
+def _num_token_choices(choices: list[dict[str, Any]]) -> int:
+    """Tokens a chunk carries, counted as one per choice with text (a stream sends a token a chunk)."""
+    count = 0
+    for choice in choices:
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        if (
+            delta.get("content")
+            or delta.get("tool_calls")
+            or delta.get("reasoning_content")
+            or choice.get("text")
+        ):
+            count += 1
+    return count
 
 
 class _Relay:
@@ -216,26 +258,45 @@ class _Relay:
     def __init__(self, call: TenantCall, forwarded: ForwardedRequest) -> None:
         self._call, self._forwarded = call, forwarded
         self.usage: dict[str, Any] | None = None  # the latest usage the upstream reported
+        self.num_relayed = 0  # tokens written to the client, counted by chunk (the estimate's)
+        self._num_pending = 0  # tokens of the chunk being written
         self._base: dict[str, Any] = {}
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         """The SSE bytes to send for ``chunk`` (b"" for a usage-only chunk: sent at the end)."""
-        usage = billing_usage(chunk.pop("usage", None))
+        bound = self._forwarded.max_completion_tokens
+        usage = billing_usage(chunk.pop("usage", None), max_completion_tokens=bound)
         if usage is not None:
             self.usage = usage
         chunk.update(id=self._call.completion_id, model=self._forwarded.request.model)
         self._base = {key: chunk[key] for key in ("id", "object", "created", "model") if key in chunk}
-        if not chunk.get("choices"):
+        choices = chunk.get("choices")
+        if not choices:
+            self._num_pending = 0
             return b""
+        self._num_pending = _num_token_choices(choices)
         if self._forwarded.request.include_usage:
             chunk["usage"] = None  # as OpenAI: only the last chunk carries it
         return ChunkWriter.sse(chunk)
 
     def sent(self) -> None:
         """The last chunk reached the client: with per-chunk usage (vLLM, SGLang) its tokens count."""
+        self.num_relayed += self._num_pending
+        self._num_pending = 0
         if self.usage is not None:
             self._call.prompt_usage = self.usage
             self._call.delivered_tokens = self.usage["completion_tokens"]
+
+    def cut(self, num_prompt_tokens: Callable[[], int]) -> None:
+        """The client went away. Without any usage from the upstream, what reached the client is
+        billed as an estimate: ``num_prompt_tokens()`` and one completion token per relayed chunk's
+        choice, under the outcome ``cancelled_estimated``."""
+        if self.usage is not None or self.num_relayed == 0:
+            return  # exact (per-chunk usage), or nothing delivered: nothing to bill
+        call = self._call
+        call.prompt_usage = {"prompt_tokens": num_prompt_tokens()}
+        call.delivered_tokens = self.num_relayed
+        call.outcome = OUTCOME_CANCELLED_ESTIMATED
 
     def finish(self) -> bytes:
         """The stream ended whole: record the usage; the usage chunk when the client asked for it."""
@@ -248,6 +309,16 @@ class _Relay:
             return b""
         usage = client_usage(self.usage, self._forwarded, call)
         return ChunkWriter.sse({**self._base, "choices": [], "usage": usage})
+
+
+def _num_prompt_tokens(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> int:
+    """The prompt's tokens by this gateway's tokenizer of the upstream's model, when a bundled worker
+    serves a model of that name; else the characters / 4 estimate."""
+    pipeline = request.config_dict[PIPELINE]
+    with contextlib.suppress(Exception):  # no such model here, or it cannot render this prompt
+        model = pipeline.resolve_model(forwarded.route.model)
+        return len(pipeline.render(call.tenant, forwarded.request, model).token_ids)
+    return forwarded.num_prompt_estimate
 
 
 async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> web.StreamResponse:
@@ -270,6 +341,9 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
                     await response.write(data)
                 relay.sent()
                 chunk = await anext(events, None)
+        except (asyncio.CancelledError, ConnectionResetError):
+            relay.cut(lambda: _num_prompt_tokens(request, call, forwarded))
+            raise
         except APIError as exc:
             call.outcome = OUTCOME_SERVER_ERROR
             await response.write(ChunkWriter.error(exc.to_json(call.request_id)))

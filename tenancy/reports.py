@@ -18,7 +18,9 @@ from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.models import UsageRecord
-from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED
+from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_CLIENT_CANCELLED
+
+CANCELLED_OUTCOMES = (OUTCOME_CLIENT_CANCELLED, OUTCOME_CANCELLED_ESTIMATED)  # the client went away
 
 GRANULARITY_HOURS = {"hour": 1, "day": 24}
 _SUMMED = (
@@ -92,7 +94,7 @@ async def usage_report(
         func.max(u.tenant_name).label("tenant_name"),
         func.count().label("requests"),
         func.sum(case((u.status >= 400, 1), else_=0)).label("errors"),
-        func.sum(case((u.outcome == OUTCOME_CLIENT_CANCELLED, 1), else_=0)).label("cancelled"),
+        func.sum(case((u.outcome.in_(CANCELLED_OUTCOMES), 1), else_=0)).label("cancelled"),
         *(func.coalesce(func.sum(getattr(u, name)), 0).label(name) for name in _SUMMED),
         func.coalesce(func.sum(saved), 0).label("saved_cost"),
     ]

@@ -21,6 +21,9 @@ OUTCOME_SERVER_ERROR = "server_error"  # a worker failed or crashed; billed what
 OUTCOME_SHUTDOWN = "shutdown"  # the gateway stopped while it ran; billed what was sent
 # Delivered by an external upstream that reported no token counts: the tokens are unknown, billed 0.
 OUTCOME_USAGE_UNREPORTED = "usage_unreported"
+# The client went away from an external upstream's stream before it reported usage: the tokens billed
+# are the gateway's estimate (prompt: tokenizer or characters / 4; completion: chunks relayed).
+OUTCOME_CANCELLED_ESTIMATED = "cancelled_estimated"
 OUTCOMES = (
     OUTCOME_COMPLETED,
     OUTCOME_CLIENT_CANCELLED,
@@ -28,6 +31,7 @@ OUTCOMES = (
     OUTCOME_SERVER_ERROR,
     OUTCOME_SHUTDOWN,
     OUTCOME_USAGE_UNREPORTED,
+    OUTCOME_CANCELLED_ESTIMATED,
 )
 
 

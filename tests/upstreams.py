@@ -8,6 +8,9 @@ session-scoped: the server takes a few seconds to start. Imported by tests/gatew
 saying why, when transformers' ``serving`` extra (fastapi, uvicorn) is not installed (a failure under
 ``PREFIXGATE_REQUIRE_SERVICES=1``).
 
+``blackhole`` and ``hung_server`` are the two faults of a dead URL that real kernel sockets give
+without any server code: a connect timeout, and a server that takes the connection and never answers.
+
     docs/operations.md, "A local OpenAI-compatible test server"
 """
 
@@ -17,6 +20,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -118,3 +122,37 @@ def transformers_server(hf_checkpoint, tmp_path_factory) -> Iterator[ThirdPartyS
     log_path = tmp_path_factory.mktemp("transformers-serve") / "serve.log"
     with transformers_serve(hf_checkpoint, log_path=log_path) as server:
         yield server
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[str]:
+    """A base URL whose connections time out: a listener whose accept queue is full drops new SYNs."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+
+
+@contextlib.contextmanager
+def hung_server() -> Iterator[str]:
+    """A base URL that takes TCP connections (the kernel accepts them) and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    finally:
+        listener.close()

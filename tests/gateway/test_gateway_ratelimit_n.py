@@ -14,12 +14,15 @@ import pytest
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
+from gateway.config import OpenAIUpstreamConfig
 from gateway.ratelimit import WINDOW_S, LocalRateLimiter
 from gateway.state import ADMISSION
 from tests.gateway.conftest import create_tenant, make_config
 from tests.tenancy.db_support import REDIS_ENV, service_url
+from tests.upstreams import hung_server
 
 MODEL = "random-tiny"
+HELD_MODEL = "held"  # served by an external upstream that never answers (test_n_counts_n_concurrent_requests)
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
@@ -102,24 +105,38 @@ async def wait_until(condition, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_n_counts_n_concurrent_requests(gateway):
-    sdk = await tenant_sdk(gateway, max_concurrent_requests=4)
-    other = await tenant_sdk(gateway)
-    gate = gateway.app[ADMISSION]
-    # A long stream with 3 choices holds 3 of the tenant's 4 slots until it ends.
-    held = await sdk.chat.completions.create(
-        model=MODEL, messages=MESSAGES, n=3, max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
-    )
-    await anext(aiter(held))
-    with pytest.raises(openai.RateLimitError) as refused:
-        await chat(sdk, n=2)
-    error = refused.value.body
-    assert error["code"] == "concurrency_limit_exceeded" and "n=2" in error["message"], error
-    assert refused.value.response.headers["Retry-After"]
-    assert len((await chat(sdk, n=1)).parse().choices) == 1  # 3 + 1 fit
-    assert len((await chat(other, n=4)).parse().choices) == 4  # another tenant is not limited
-    await held.close()
-    await wait_until(lambda: not gate.tenant_to_in_flight)  # every slot was given back
+async def test_n_counts_n_concurrent_requests(aiohttp_client, sqlite_url, tmp_path, worker_url):
+    """A request with 3 choices holds 3 of the tenant's 4 slots for as long as the test wants: it goes to
+    an external upstream that takes the connection and never answers (a kernel listener that never
+    accepts), until the test closes that listener (the request then fails and gives its slots back).
+    No timing: every check waits on the admission gate's state."""
+    with hung_server() as hung:
+        held_upstream = OpenAIUpstreamConfig(
+            name="held", urls=(hung,), models=((HELD_MODEL, MODEL),), probe_interval_s=0
+        )
+        config = make_config(
+            sqlite_url, tmp_path, worker_urls=(worker_url,), openai_upstreams=(held_upstream,)
+        )
+        gateway = await aiohttp_client(create_app(config))
+        sdk = await tenant_sdk(gateway, max_concurrent_requests=4)
+        other = await tenant_sdk(gateway)
+        gate = gateway.app[ADMISSION]
+        held = asyncio.create_task(
+            sdk.chat.completions.create(model=HELD_MODEL, messages=MESSAGES, n=3, max_tokens=2, stream=True)
+        )
+        await wait_until(lambda: sum(gate.tenant_to_in_flight.values()) == 3)
+        with pytest.raises(openai.RateLimitError) as refused:
+            await chat(sdk, n=2)
+        error = refused.value.body
+        assert error["code"] == "concurrency_limit_exceeded" and "n=2" in error["message"], error
+        assert refused.value.response.headers["Retry-After"]
+        assert len((await chat(sdk, n=1)).parse().choices) == 1  # 3 + 1 fit
+        assert len((await chat(other, n=4)).parse().choices) == 4  # another tenant is not limited
+        assert not held.done() and sum(gate.tenant_to_in_flight.values()) == 3  # still held
+    # The listener is closed: the held request's connection is reset, it fails, its slots come back.
+    with pytest.raises(openai.APIStatusError):
+        await held
+    await wait_until(lambda: not gate.tenant_to_in_flight)
     assert len((await chat(sdk, n=4)).parse().choices) == 4
     with pytest.raises(openai.RateLimitError) as refused:
         await chat(sdk, n=5)

@@ -85,19 +85,31 @@ class Front:
         return AsyncOpenAI(base_url=str(self.client.make_url("/v1")), api_key=key, max_retries=0)
 
 
-def front_app(sqlite_template: Path, data_dir: Path, *urls: str, flavour: str = "vllm", api_key: str):
+def front_app(
+    sqlite_template: Path,
+    data_dir: Path,
+    *urls: str,
+    flavour: str = "vllm",
+    api_key: str,
+    upstream: dict[str, Any] | None = None,
+    **config: Any,
+):
+    """The front gateway: ``urls`` as one upstream serving ``PUBLIC_MODEL`` (``upstream``: more
+    ``OpenAIUpstreamConfig`` fields; ``config``: more ``GatewayConfig`` fields)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(sqlite_template, data_dir / "front.db")
-    upstream = OpenAIUpstreamConfig(
+    fields = {"timeout_s": 60, "probe_interval_s": 0, **(upstream or {})}  # no probe among recorded requests
+    upstream_config = OpenAIUpstreamConfig(
         name="pg-upstream",
         urls=urls,
         models=((PUBLIC_MODEL, MODEL),),
         flavour=flavour,
         api_key=api_key,
-        timeout_s=60,
+        **fields,
     )
     database_url = f"sqlite+aiosqlite:///{data_dir / 'front.db'}"
-    return create_app(make_config(database_url, data_dir, worker_urls=(), openai_upstreams=(upstream,)))
+    changes = {"worker_urls": (), "openai_upstreams": (upstream_config,), **config}
+    return create_app(make_config(database_url, data_dir, **changes))
 
 
 @pytest.fixture
@@ -316,11 +328,15 @@ async def test_a_refused_url_is_skipped_for_the_next(aiohttp_client, gateway, sq
     await sdk.close()
 
 
-async def test_client_gone_mid_stream_is_recorded_once(front):
+async def test_client_gone_mid_stream_is_recorded_once_as_an_estimate(front):
+    """The upstream (a prefixgate gateway) reports usage only at the end of its stream: a client gone
+    before that is billed an estimate, said so in the outcome: the prompt as characters / 4 (this
+    front gateway has no tokenizer of the model) and one token per content chunk relayed."""
     tenant = await create_tenant(front.client, name="acme")
+    system = unique_system_prompt()
     body = {
         "model": PUBLIC_MODEL,
-        "messages": messages(unique_system_prompt()),
+        "messages": messages(system),
         "max_tokens": 3000,
         "ignore_eos": True,
         "stream": True,
@@ -332,12 +348,56 @@ async def test_client_gone_mid_stream_is_recorded_once(front):
         chunk = await asyncio.wait_for(response.content.readany(), 30)
         assert chunk, received
         received += chunk
-    assert all(isinstance(e, dict) for e in parse_sse(received.rsplit(b"\n\n", 1)[0]))
+    events = parse_sse(received.rsplit(b"\n\n", 1)[0])
+    assert all(isinstance(e, dict) for e in events)
+    num_received = sum(1 for e in events if e["choices"][0]["delta"].get("content"))
     response.close()
     rows = await wait_records(front.client, 1)
     await asyncio.sleep(0.5)
     rows = await wait_records(front.client, 2, timeout_s=0.5)
-    assert [(r.outcome, r.status) for r in rows] == [("client_cancelled", 499)]
+    assert [(r.outcome, r.status) for r in rows] == [("cancelled_estimated", 499)]
+    assert rows[0].prompt_tokens == -(-(len(system) + len("hello")) // 4)
+    assert num_received <= rows[0].completion_tokens < 3000
+    assert rows[0].cost_total > 0
+
+
+async def test_sdk_closing_a_stream_early_is_billed_by_the_gateways_tokenizer(
+    aiohttp_client, gateway, sqlite_template, tmp_path, worker_url
+):
+    """The front gateway also runs a bundled worker of the upstream's model: the estimate of a cut
+    stream's prompt is then its tokenizer's exact count (the upstream's own, for an uncut request)."""
+    key = (await create_tenant(gateway, name="front-gateway"))["api_key"]
+    url = str(gateway.make_url("/v1"))
+    app = front_app(
+        sqlite_template, tmp_path / "front", url, api_key=key, flavour="none", worker_urls=(worker_url,)
+    )
+    client = await aiohttp_client(app)
+    tenant = await create_tenant(client, name="acme")
+    sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
+    system = unique_system_prompt()
+    uncut = await sdk.chat.completions.create(model=PUBLIC_MODEL, messages=messages(system), max_tokens=1)
+    stream = await sdk.chat.completions.create(
+        model=PUBLIC_MODEL,
+        messages=messages(system),
+        max_tokens=3000,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    contents = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            contents.append(chunk.choices[0].delta.content)
+        if len(contents) == 4:
+            break
+    await stream.close()
+    await sdk.close()
+    rows = await wait_records(client, 2)
+    cut = rows[1]
+    assert (cut.outcome, cut.status) == ("cancelled_estimated", 499)
+    assert cut.prompt_tokens == uncut.usage.prompt_tokens  # the same tokenizer, the same count
+    assert cut.cached_tokens == 0  # no discount that the upstream did not report
+    assert 4 <= cut.completion_tokens < 3000
 
 
 async def test_canonicalization_reaches_the_upstreams_cache(front):

@@ -126,6 +126,27 @@ def test_billing_usage_never_invents_counts():
     assert unreported["cached_tokens"] == 0 and unreported["cached_tokens_reported"] is False
     assert billing_usage(None) is None and billing_usage({}) is None
     assert billing_usage({"prompt_tokens": "100"}) is None
+    assert billing_usage({"prompt_tokens": True}) is None  # a bool is not a count
+
+
+def test_billing_usage_clamps_counts_that_cannot_be_true(caplog):
+    more_cached = {
+        "prompt_tokens": 10,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 64},
+    }
+    assert billing_usage(more_cached)["cached_tokens"] == 10
+    negative = {"prompt_tokens": -5, "completion_tokens": -1, "prompt_tokens_details": {"cached_tokens": -3}}
+    assert billing_usage(negative) == {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "cached_tokens": 0,
+        "cached_tokens_reported": True,
+    }
+    huge = {"prompt_tokens": 10**30, "completion_tokens": 10**30}
+    billed = billing_usage(huge, max_completion_tokens=16)
+    assert billed["prompt_tokens"] == 2**31 - 1 and billed["completion_tokens"] == 16  # n × max_tokens
+    assert "upstream usage clamped" in caplog.text
 
 
 def test_upstream_config_is_frozen_and_hides_its_key():
@@ -135,7 +156,7 @@ def test_upstream_config_is_frozen_and_hides_its_key():
         upstream.api_key = "other"  # type: ignore[misc]
 
 
-def _relay(include_usage: bool):
+def _relay(include_usage: bool, max_completion_tokens: int | None = None):
     from gateway.billing import TenantCall
     from gateway.schemas import parse_chat
     from gateway.upstream_serve import ForwardedRequest, _Relay
@@ -158,6 +179,8 @@ def _relay(include_usage: bool):
         path="/chat/completions",
         body={},
         num_limit_tokens=1,
+        num_prompt_estimate=7,
+        max_completion_tokens=max_completion_tokens,
     )
     return call, _Relay(call, forwarded)
 
@@ -194,3 +217,62 @@ def test_per_chunk_usage_bills_a_cut_stream_what_was_sent():
     call.outcome = OUTCOME_CLIENT_CANCELLED
     event = usage_event(call, ZERO_PRICES)
     assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (50, 32, 3)
+
+
+def test_a_cut_stream_without_usage_is_billed_an_estimate_of_what_was_relayed():
+    from gateway.billing import usage_event
+    from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, ZERO_PRICES
+
+    call, relay = _relay(include_usage=True)
+    relay.chunk({"choices": [{"delta": {"role": "assistant", "content": ""}}]})  # no token in it
+    relay.sent()
+    for _ in range(3):
+        relay.chunk({"choices": [{"delta": {"content": "x"}}, {"index": 1, "delta": {"content": "y"}}]})
+        relay.sent()
+    relay.chunk({"choices": [{"delta": {"content": "never written"}}]})  # the client left meanwhile
+    relay.cut(lambda: 42)
+    event = usage_event(call, ZERO_PRICES)
+    assert (event.outcome, event.prompt_tokens, event.completion_tokens) == (
+        OUTCOME_CANCELLED_ESTIMATED,
+        42,
+        6,
+    )
+    call, relay = _relay(include_usage=True)
+    relay.cut(lambda: 42)  # nothing relayed: nothing billed
+    assert call.outcome is None and usage_event(call, ZERO_PRICES).prompt_tokens == 0
+
+
+def test_circuit_breaker_opens_cools_down_with_jitter_and_probes_one_at_a_time():
+    from gateway.upstream_health import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(
+        ("a", "b"), failure_threshold=2, cooldown_s=10, jitter=0.5, probe_window_s=1,
+        clock=lambda: now[0], rng=lambda: 1.0,
+    )  # fmt: skip
+    assert breaker.allow("a") and not breaker.failure("a", "refused") and breaker.state("a") == CLOSED
+    breaker.success("a")  # consecutive failures only
+    assert not breaker.failure("a", "refused") and breaker.failure("a", "timeout")
+    assert breaker.state("a") == OPEN and not breaker.allow("a") and breaker.allow("b")
+    now[0] = 14.9  # cool-down 10 × (1 + 0.5 × 1.0) = 15 s
+    assert breaker.state("a") == OPEN
+    now[0] = 15.0
+    assert breaker.state("a") == HALF_OPEN
+    assert breaker.allow("a") and not breaker.allow("a")  # one probe at a time
+    now[0] = 16.0  # that probe never reported (cancelled): another one may go
+    assert breaker.allow("a")
+    assert breaker.failure("a", "refused") and breaker.state("a") == OPEN  # re-opened at once
+    now[0] = 40.0
+    assert breaker.allow("a")
+    breaker.success("a")
+    assert breaker.state("a") == CLOSED and breaker.healthy("a")
+    assert breaker.snapshot()["a"] == {
+        "state": CLOSED, "consecutive_failures": 0, "times_opened": 2, "last_error": "refused",
+    }  # fmt: skip
+
+
+def test_circuit_breaker_settings_parse(tmp_path: Path):
+    raw = {**VLLM, "failure_threshold": 3, "probe_interval_s": 2.5, "down_s": 7}
+    config = load_config(env={"PREFIXGATE_OPENAI_UPSTREAMS": json.dumps(raw)})
+    (upstream,) = config.openai_upstreams
+    assert (upstream.failure_threshold, upstream.probe_interval_s, upstream.down_s) == (3, 2.5, 7.0)

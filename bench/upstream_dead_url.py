@@ -1,0 +1,134 @@
+"""What a dead URL among an ``openai`` upstream's replicas costs, without and with its circuit breaker.
+
+    python -m bench.upstream_dead_url [--requests N]
+
+Starts a worker (``random-tiny``) and an upstream prefixgate gateway in front of it (the healthy
+replica), plus a black-holed URL: a listening socket whose accept queue is full, so connections to it
+time out (a host that went away). Two front gateways list both URLs as one upstream (connect timeout
+1 s): ``no_breaker`` with ``failure_threshold`` = 10^9 (every request that ranks the dead URL first pays
+its connect timeout before failing over: the behaviour without health tracking) and ``breaker`` with the
+default threshold of 2 (the breaker opens after two connect timeouts; later requests skip the URL). The
+same sequence of unique prompts (rendezvous hashing puts about half on the dead URL first) goes to each
+front gateway in turn. Latency p50/p99 and the number of requests that took over 1 s. The last line
+printed is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+from bench.gateway_overhead import ADMIN_TOKEN, create_tenant, percentile, wait_http
+from bench.upstream_overhead import MODEL, PUBLIC_MODEL, _gateway, _upstream_tenant
+from gateway.up import free_port
+from tests.upstreams import blackhole
+
+CONNECT_TIMEOUT_S = 1.0
+SETTINGS = {"no_breaker": 10**9, "breaker": 2}  # failure_threshold
+
+
+async def one(session: aiohttp.ClientSession, front: str, key: str, prompt: str) -> float:
+    body = {"model": PUBLIC_MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    started = time.perf_counter()
+    async with session.post(
+        front + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as response:
+        assert response.status == 200, (response.status, await response.text())
+        await response.read()
+    return time.perf_counter() - started
+
+
+async def run(fronts: dict[str, str], num_requests: int) -> dict[str, dict[str, float]]:
+    prompts = [f"[{uuid.uuid4().hex}] question {i}" for i in range(num_requests)]
+    result = {}
+    async with aiohttp.ClientSession() as session:
+        for name, front in fronts.items():
+            key = (await create_tenant(session, front, {"name": "bench"}))["api_key"]
+            seconds = [await one(session, front, key, prompt) for prompt in prompts]
+            ms = [s * 1000 for s in seconds]
+            result[name] = {
+                "p50_ms": statistics.median(ms),
+                "p99_ms": percentile(ms, 99),
+                "mean_ms": statistics.fmean(ms),
+                "slow": sum(s >= CONNECT_TIMEOUT_S for s in seconds),
+            }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=60)
+    args = parser.parse_args()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pg-bench-dead-") as tmp, blackhole() as dead:
+        base = {**os.environ, "PREFIXGATE_ADMIN_TOKEN": ADMIN_TOKEN, "PREFIXGATE_LOG_LEVEL": "ERROR"}
+        envs = {
+            name: {**base, "PREFIXGATE_DATA_DIR": str(Path(tmp) / name), "PREFIXGATE_NAMESPACE_SALT": name}
+            for name in ("upstream", *SETTINGS)
+        }
+        for env in envs.values():
+            upgrade = [sys.executable, "-m", "gateway", "db", "upgrade"]
+            subprocess.run(upgrade, env=env, check=True, stdout=subprocess.DEVNULL)
+        worker_port, up_port = free_port(), free_port()
+        worker, upstream = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{up_port}"
+        worker_cmd = [sys.executable, "-m", "worker", "--model", MODEL, "--port", str(worker_port)]
+        up_env = envs["upstream"]
+        processes = [
+            subprocess.Popen(worker_cmd, env=up_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            _gateway(up_env, up_port, "--worker-url", worker),
+        ]
+        try:
+            wait_http(worker + "/healthz", processes[0])
+            wait_http(upstream + "/healthz", processes[1])
+            front_key = asyncio.run(_upstream_tenant(upstream))
+            fronts = {}
+            for name, threshold in SETTINGS.items():
+                spec = {
+                    "name": "bench",
+                    "urls": [dead, upstream + "/v1"],
+                    "models": {PUBLIC_MODEL: MODEL},
+                    "api_key_env": "BENCH_UPSTREAM_KEY",
+                    "connect_timeout_s": CONNECT_TIMEOUT_S,
+                    "down_s": 600,
+                    "failure_threshold": threshold,
+                    "probe_interval_s": 0,  # the passive breaker alone
+                }
+                env = envs[name] | {
+                    "PREFIXGATE_WORKER_URLS": "",
+                    "PREFIXGATE_OPENAI_UPSTREAMS": json.dumps([spec]),
+                    "BENCH_UPSTREAM_KEY": front_key,
+                }
+                port = free_port()
+                processes.append(_gateway(env, port))
+                fronts[name] = f"http://127.0.0.1:{port}"
+                wait_http(fronts[name] + "/healthz", processes[-1])
+            result = asyncio.run(run(fronts, args.requests))
+        finally:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(30)
+    print(f"{'front gateway':<14}{'p50':>10}{'p99':>10}{'mean':>10}{'slow (>= 1 s)':>16}")
+    for name, r in result.items():
+        print(
+            f"{name:<14}{r['p50_ms']:>8.1f}ms{r['p99_ms']:>8.1f}ms{r['mean_ms']:>8.1f}ms"
+            f"{r['slow']:>10} of {args.requests}"
+        )
+    print(f"(one dead URL of two, connect timeout {CONNECT_TIMEOUT_S} s, {time.monotonic() - started:.0f} s)")
+    summary = {name: {k: round(v, 1) for k, v in r.items()} for name, r in result.items()}
+    print(json.dumps({**summary, "requests": args.requests}))
+
+
+if __name__ == "__main__":
+    main()
