@@ -136,7 +136,9 @@ async def prepare(
         )
     num_moved = 0
     if isinstance(parsed, ChatRequest):
-        edit = await pipeline.run_cpu(app[CANONICALIZER].apply, call.tenant, parsed)
+        edit = await pipeline.run_cpu(
+            app[CANONICALIZER].apply, call.tenant, parsed, owner=call.tenant.tenant_id
+        )
         parsed, num_moved = edit.request, edit.num_moved
         metrics, tenant = app[METRICS], app[METRICS].tenant_label(call.tenant.tenant_id)
         if edit.num_moved:
