@@ -7,7 +7,8 @@ releases the GIL while it encodes, and pure-Python steps yield it every switch i
 delays the others by milliseconds, not by its whole cost.
 
 The pool is shared fairly between tenants (``run_for``): one owner holds at most ``per_owner`` threads
-(half the pool by default) and has at most ``per_owner_waiting`` more jobs waiting for them. An owner's
+(half the pool by default) and has at most ``per_owner_waiting`` (``max_waiting``) more jobs waiting for
+them. An owner's
 jobs past its share wait for its *own* threads, so they neither take a thread nor a place in the common
 queue that another tenant needs; past its own queue the owner gets 429 (its requests, not the gateway,
 are what is busy). Without this, four 1 MB prompts of one tenant on a 4-thread pool made another
@@ -51,7 +52,7 @@ class CpuPool:
         self._max_waiting = max_waiting
         self.num_waiting = 0
         self.per_owner = per_owner or max(1, num_threads // 2)
-        self.per_owner_waiting = per_owner_waiting or max(1, max_waiting // 4)
+        self.per_owner_waiting = per_owner_waiting or max_waiting
         self._shares: dict[str, _Share] = {}
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
