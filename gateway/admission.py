@@ -4,7 +4,10 @@ Two bounds, checked before any work is done for a request:
 
 - all tenants together (``max_in_flight``, the gateway's config): over it, 503 with ``Retry-After``
   (the gateway is saturated, not the tenant's fault);
-- per tenant (``max_concurrent_requests``, a tenant policy field): over it, 429 with ``Retry-After``.
+- per tenant (``max_concurrent_requests``, a tenant policy field): over it, 429 with ``Retry-After``;
+- one tenant's share of ``max_in_flight`` (``tenant_share``, 0.5 by default): a tenant without a
+  ``max_concurrent_requests`` of its own could otherwise hold every slot (e.g. with streams an upstream
+  never ends) and every other tenant would get 503. Past its share a tenant gets 429, like its own limit.
 
 Nothing waits in a queue here: excess load is refused fast so that a client backs off instead of
 piling up behind requests that would time out anyway. The rate limits per minute are
@@ -30,6 +33,7 @@ from tenancy.policy import TenantPolicy
 @dataclass(slots=True)
 class AdmissionGate:
     max_in_flight: int  # all tenants together on this replica; 0: unbounded
+    tenant_share: float = 1.0  # of max_in_flight one tenant may hold
     in_flight: int = 0  # requests
     tenant_to_in_flight: dict[str, int] = field(default_factory=dict)  # slots: a request holds one per choice
     num_refused: int = 0
@@ -43,6 +47,7 @@ class AdmissionGate:
                 code="server_overloaded",
             )
         mine = self.tenant_to_in_flight.get(tenant_id, 0)
+        tenant_limit = self.tenant_limit(tenant_limit)
         if tenant_limit and mine >= tenant_limit:
             self.num_refused += 1
             raise RateLimited(
@@ -56,6 +61,7 @@ class AdmissionGate:
         """Count ``extra_slots`` more for a request already in (its choices beyond the first), or raise
         ``RateLimited`` and count nothing more."""
         mine = self.tenant_to_in_flight.get(tenant_id, 0)  # this request's first slot included
+        tenant_limit = self.tenant_limit(tenant_limit)
         if tenant_limit and mine + extra_slots > tenant_limit:
             self.num_refused += 1
             raise RateLimited(
@@ -64,6 +70,13 @@ class AdmissionGate:
                 code="concurrency_limit_exceeded",
             )
         self.tenant_to_in_flight[tenant_id] = mine + extra_slots
+
+    def tenant_limit(self, own_limit: int | None) -> int | None:
+        """The tenant's concurrency limit on this replica: its own, capped by its share of the gateway's."""
+        if not self.max_in_flight or self.tenant_share >= 1.0:
+            return own_limit
+        share = max(1, int(self.max_in_flight * self.tenant_share))
+        return share if not own_limit else min(own_limit, share)
 
     def leave(self, tenant_id: str, slots: int = 1) -> None:
         """Count a request out (exactly once per successful ``enter``, with every slot it holds)."""
@@ -99,7 +112,7 @@ async def admit_choices(
 
     for limit, what in (
         (rpm, "requests per minute"),
-        (tenant.max_concurrent_requests, "concurrent requests"),
+        (gate.tenant_limit(tenant.max_concurrent_requests), "concurrent requests"),
     ):
         if limit and num_choices > limit:
             message = (

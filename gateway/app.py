@@ -281,7 +281,9 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[STARTED] = weakref.WeakSet()
     app[CONFIG] = config
     app[UNKNOWN_FIELDS] = UnknownFields()
-    app[ADMISSION] = AdmissionGate(max_in_flight=config.max_in_flight)
+    app[ADMISSION] = AdmissionGate(
+        max_in_flight=config.max_in_flight, tenant_share=config.tenant_in_flight_share
+    )
     if config.metrics_tenant_labels not in TENANT_LABEL_MODES:
         raise ValueError(f"metrics_tenant_labels must be one of {TENANT_LABEL_MODES}")
     hashed = config.metrics_tenant_labels == "hash"

@@ -127,6 +127,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1_000_000  # characters of messages / prompt, checked before rendering (413)
     max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
+    tenant_in_flight_share: float = 0.5  # of max_in_flight one tenant may hold (429 past it); 1.0: no share
     cpu_threads: int = 4  # threads for render, canonicalize, tokenize, hash (off the event loop)
     cpu_queue_max: int = 64  # requests waiting for those threads; more get 503 at once
     header_timeout_s: float = 10.0  # a connection's first request head must be complete by then

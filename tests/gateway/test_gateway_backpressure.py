@@ -116,7 +116,9 @@ async def test_tenant_concurrency_limit_refuses_fast_with_429(
 
 
 async def test_gateway_in_flight_bound_answers_503(aiohttp_client, sqlite_url, tmp_path, worker_url):
-    config = make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), max_in_flight=2)
+    config = make_config(
+        sqlite_url, tmp_path, worker_urls=(worker_url,), max_in_flight=2, tenant_in_flight_share=1.0
+    )
     client = await aiohttp_client(create_app(config))
     key = await new_tenant(client)
     results = await burst(client, key, 8, max_tokens=64, ignore_eos=True)
@@ -382,3 +384,26 @@ async def test_a_tenant_flooding_prompt_lint_neither_blocks_another_tenant_nor_e
     for task in lints:
         response = await task
         assert response.status == 200, await response.text()
+
+
+async def test_one_tenant_holds_at_most_its_share_of_the_gateway(
+    aiohttp_client, sqlite_url, tmp_path, worker_url
+):
+    """A tenant without max_concurrent_requests could hold every one of max_in_flight (streams an
+    upstream never ends, say) and every other tenant got 503; it now gets 429 past half of them."""
+    from gateway.state import ADMISSION
+
+    app = create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), max_in_flight=4))
+    client = await aiohttp_client(app)
+    hog, other = await new_tenant(client, name="hog"), await new_tenant(client, name="other")
+    gate = app[ADMISSION]
+    gate.enter("someone-else", None)  # a request of a third tenant, in flight throughout
+    results = await burst(client, hog, 6, max_tokens=64, ignore_eos=True)
+    statuses = sorted(status for status, _, _ in results)
+    assert statuses.count(200) >= 2 and 503 not in statuses, statuses
+    refused = [b for s, _, b in results if s == 429]
+    assert refused and all(b["error"]["code"] == "concurrency_limit_exceeded" for b in refused)
+    assert "limit of 2 concurrent requests" in refused[0]["error"]["message"]
+    status, _, _ = await post(client, other, chat(max_tokens=1))
+    assert status == 200
+    gate.leave("someone-else")
