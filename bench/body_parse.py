@@ -48,7 +48,9 @@ BODIES = {
     "keys_350k": _body(**{f"k{i}": 0 for i in range(350_000)}),
     "messages_130k": _body(messages=[{"role": "user", "content": ""}] * 130_000),
     "depth60_x30k": _body(x=[json.loads("[" * 60 + "0" + "]" * 60)] * 30_000),
-    "legit_text_4MB": _body(messages=[{"role": "user", "content": "some [text], {with} brackets. " * 130_000}]),
+    "legit_text_4MB": _body(
+        messages=[{"role": "user", "content": "some [text], {with} brackets. " * 130_000}]
+    ),
     "legit_tokens_200k": orjson.dumps({"model": "random-tiny", "prompt": list(range(200_000))}),
     "legit_chat_2k_msgs": _body(messages=[{"role": "user", "content": "a question " * 50}] * 2_000),
 }

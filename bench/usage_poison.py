@@ -2,7 +2,8 @@
 lock, so every tenant's billing waits) takes, with main's fallback (one insert per record) and with
 bisection (hostile-input review, finding 1).
 
-    PREFIXGATE_TEST_POSTGRES_URL=postgresql+asyncpg://postgres@127.0.0.1:5432/test python -m bench.usage_poison
+    PREFIXGATE_TEST_POSTGRES_URL=postgresql+asyncpg://postgres@127.0.0.1:5432/test \
+        python -m bench.usage_poison
 
 Creates a scratch database on that server (dropped at the end). The last line printed is JSON.
 """
@@ -82,12 +83,23 @@ async def main() -> None:
                 clean = min([await _flush_s(writer, f"{label}-c{r}", False) for r in range(3)])
                 poisoned = min([await _flush_s(writer, f"{label}-p{r}", True) for r in range(3)])
                 results[label] = {"clean_s": round(clean, 4), "one_refused_s": round(poisoned, 4)}
-                print(f"{label:5} flush of {BATCH} clean {clean:.3f} s, {BATCH - 1} clean + 1 refused {poisoned:.3f} s")
+                print(
+                    f"{label:5} flush of {BATCH} clean {clean:.3f} s, "
+                    f"{BATCH - 1} clean + 1 refused {poisoned:.3f} s"
+                )
         await engine.dispose()
     finally:
         await _pg_admin(base, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     ratio = results["main"]["one_refused_s"] / results["now"]["one_refused_s"]
-    print(json.dumps({**results, "one_refused_main_to_now": round(ratio, 1), "loadavg": [round(x, 2) for x in os.getloadavg()]}))
+    print(
+        json.dumps(
+            {
+                **results,
+                "one_refused_main_to_now": round(ratio, 1),
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

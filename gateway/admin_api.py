@@ -56,7 +56,9 @@ def _check_path_and_query(request: web.Request) -> None:
     database sees them (PostgreSQL refuses NUL in text: that was a 500)."""
     for name, value in request.match_info.items():
         if not _ID.fullmatch(value):
-            raise NotFoundError(f"no {name.removesuffix('_id').replace('_', ' ')} with that id", code="not_found")
+            raise NotFoundError(
+                f"no {name.removesuffix('_id').replace('_', ' ')} with that id", code="not_found"
+            )
     for name, value in request.query.items():
         if _CONTROL.search(name) or _CONTROL.search(value):
             raise InvalidRequest("query values must not contain control characters", param=name)
@@ -69,7 +71,9 @@ def _no_nul(value: Any, where: str) -> None:
         item, path = stack.pop()
         if isinstance(item, str):
             if "\x00" in item:
-                raise InvalidRequest(f"'{path}' must not contain NUL characters", param=path, code="invalid_value")
+                raise InvalidRequest(
+                    f"'{path}' must not contain NUL characters", param=path, code="invalid_value"
+                )
         elif isinstance(item, dict):
             for key, child in item.items():
                 stack += [(key, path), (child, f"{path}.{key}" if path else str(key))]

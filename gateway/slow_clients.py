@@ -67,7 +67,9 @@ class JSONErrorRequestHandler(web.RequestHandler):
             "param": None,
             "code": "invalid_http_request" if client_error else None,
         }
-        response = web.Response(status=status, text=json.dumps({"error": error}), content_type="application/json")
+        response = web.Response(
+            status=status, text=json.dumps({"error": error}), content_type="application/json"
+        )
         response.force_close()
         return response
 

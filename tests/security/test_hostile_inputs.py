@@ -76,7 +76,9 @@ async def test_a_huge_cheap_to_send_body_is_a_400_and_other_tenants_are_served_m
     b = (await create_tenant(client, name="b"))["api_key"]
     body = orjson.dumps({**chat_body("s"), "x": [[]] * 1_300_000})
     sent = asyncio.create_task(
-        client.post("/v1/chat/completions", data=body, headers={**auth(a), "Content-Type": "application/json"})
+        client.post(
+            "/v1/chat/completions", data=body, headers={**auth(a), "Content-Type": "application/json"}
+        )
     )
     served_meanwhile = 0
     while not sent.done():
@@ -124,7 +126,7 @@ async def test_a_corrupt_compressed_body_is_a_400(client, authenticated):
     ],
     ids=["header_too_long", "too_many_headers", "bad_content_length"],
 )
-async def test_malformed_request_heads_get_an_openai_error(served, headers):
+async def test_malformed_request_heads_get_an_openai_error(served, headers):  # noqa: F811
     """Refused by aiohttp's parser before any middleware: the served gateway (``gateway.up``) still
     answers with OpenAI's error JSON."""
     head = HEAD + headers + b"\r\n"
