@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
@@ -35,6 +36,7 @@ async def admin_auth_middleware(request: web.Request, handler):  # type: ignore[
     given = bearer_token(request)
     if given is None or not tokens_equal(given, expected):
         raise AuthenticationError("invalid admin token", code="invalid_admin_token")
+    _check_path_and_query(request)
     try:
         return await handler(request)
     except PolicyError as exc:
@@ -43,6 +45,46 @@ async def admin_auth_middleware(request: web.Request, handler):  # type: ignore[
         raise NotFoundError(str(exc), code="not_found") from exc
     except Conflict as exc:
         raise ConflictError(str(exc), code="conflict") from exc
+
+
+_ID = re.compile(r"[A-Za-z0-9_.\-]{1,40}")  # every id of ours ("tn_…", "key_…", "hp_…") fits a String(40)
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
+def _check_path_and_query(request: web.Request) -> None:
+    """Malformed ids are unknown ids (404) and control characters in a query value a 400, before any
+    database sees them (PostgreSQL refuses NUL in text: that was a 500)."""
+    for name, value in request.match_info.items():
+        if not _ID.fullmatch(value):
+            raise NotFoundError(
+                f"no {name.removesuffix('_id').replace('_', ' ')} with that id", code="not_found"
+            )
+    for name, value in request.query.items():
+        if _CONTROL.search(name) or _CONTROL.search(value):
+            raise InvalidRequest("query values must not contain control characters", param=name)
+
+
+def _no_nul(value: Any, where: str) -> None:
+    """A NUL anywhere in an admin body's strings (keys included) is a 400: no text column stores it."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise InvalidRequest(
+                    f"'{path}' must not contain NUL characters", param=path, code="invalid_value"
+                )
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack += [(key, path), (child, f"{path}.{key}" if path else str(key))]
+        elif isinstance(item, list):
+            stack += [(child, path) for child in item]
+
+
+async def _admin_body(request: web.Request) -> dict[str, Any]:
+    body = await read_json(await request.read())
+    _no_nul(body, "")
+    return body
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -87,7 +129,7 @@ async def _changed(request: web.Request) -> None:
 
 
 async def create_tenant(request: web.Request) -> web.Response:
-    body = await read_json(await request.read())
+    body = await _admin_body(request)
     policy, new_key = await request.config_dict[REPOSITORY].create_tenant(body)
     await _changed(request)
     tenant = _tenant_json(request, policy)
@@ -113,7 +155,7 @@ async def near_miss_findings(request: web.Request) -> web.Response:
 
 
 async def update_tenant(request: web.Request) -> web.Response:
-    body = await read_json(await request.read())
+    body = await _admin_body(request)
     policy = await request.config_dict[REPOSITORY].update_tenant(request.match_info["tenant_id"], body)
     await _changed(request)
     return web.json_response(_tenant_json(request, policy))

@@ -129,6 +129,12 @@ async def error_middleware(request: web.Request, handler):  # type: ignore[no-un
         return await handler(request)
     except APIError as exc:
         return error_response(exc, request_id)
+    except web.RequestPayloadError as exc:  # a body aiohttp cannot decode (corrupt gzip/deflate, bad chunks)
+        cause = exc.__cause__ or exc.__context__
+        detail = getattr(cause, "message", None) or str(cause or exc)
+        return error_response(
+            InvalidRequest(f"the request body could not be read: {detail}", code="invalid_body"), request_id
+        )
     except web.HTTPRequestEntityTooLarge:
         limit = request.app._client_max_size
         return error_response(PayloadTooLarge(f"request body too large (limit {limit} bytes)"), request_id)

@@ -7,19 +7,18 @@ do values prefixgate cannot honour (``gateway.parameters`` lists which): nothing
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
-
 from gateway.errors import InvalidRequest
+from gateway.json_body import MAX_JSON_DEPTH, read_json  # noqa: F401 - re-exported for the handlers
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.structured_output import response_format_grammar
 
 MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-MAX_JSON_DEPTH = 64  # nesting of objects/arrays in a request body (tool schemas included)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,33 +69,17 @@ MAX_N = 8
 MAX_TOP_LOGPROBS = 20
 
 
-async def read_json(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    if _too_deep(data, MAX_JSON_DEPTH):
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
+def _printable(value: str | None, name: str) -> str | None:
+    """A client-chosen identifier (model, user) is stored with the usage record and shown in reports:
+    control characters (NUL above all: PostgreSQL text refuses it) are a 400, not a lost record."""
+    if value is not None and _CONTROL.search(value):
         raise InvalidRequest(
-            f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
+            f"'{name}' must not contain control characters", param=name, code="invalid_value"
         )
-    return data
-
-
-def _too_deep(data: Any, max_depth: int) -> bool:
-    """Whether ``data`` nests objects/arrays deeper than ``max_depth`` (iterative: no recursion limit
-    to hit; checked before any field is read, so templates and hashing never see such input)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value
-        for child in children:
-            if isinstance(child, dict | list):
-                if depth >= max_depth:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+    return value
 
 
 def _type_error(name: str, expected: str) -> InvalidRequest:
@@ -158,7 +141,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         )
     pairs = []
     for key, bias in raw.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+        if not (isinstance(key, str) and 0 < len(key) < 10 and key.isascii() and key.isdigit()):
             raise _type_error("logit_bias", "an object whose keys are token ids")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise InvalidRequest(
@@ -214,6 +197,7 @@ def _common(
         raise InvalidRequest("'model' is required", param="model", code="missing_required_parameter")
     if not isinstance(model, str):
         raise _type_error("model", "a string")
+    _printable(model, "model")
     stream = bool(_opt(body, "stream", bool, "a boolean"))
     options = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = _opt(options, "include_usage", bool, "a boolean")
@@ -245,7 +229,7 @@ def _common(
         "sampling": sampling,
         "stream": stream,
         "include_usage": bool(include_usage),
-        "user": _opt(body, "user", str, "a string"),
+        "user": _printable(_opt(body, "user", str, "a string"), "user"),
         "prompt_cache_key": _opt(body, "prompt_cache_key", str, "a string"),
     }
 
@@ -352,7 +336,7 @@ def _chat_extras(body: Mapping[str, Any]) -> None:
         raise _unsupported("store", "'store': true is not supported (completions are never stored)")
     _opt(body, "metadata", dict, "an object")
     _opt(body, "parallel_tool_calls", bool, "a boolean")
-    _opt(body, "safety_identifier", str, "a string")
+    _printable(_opt(body, "safety_identifier", str, "a string"), "safety_identifier")
     tier = body.get("service_tier")
     if tier not in (None, "auto", "default"):
         raise _unsupported("service_tier", "'service_tier' must be 'auto' or 'default'")

@@ -2,6 +2,7 @@
 
 - A connection must deliver a complete request head within ``header_timeout_s`` of opening, or it is
   closed (``start_site``: aiohttp has no header timeout of its own).
+- What aiohttp refuses in a request head is answered with OpenAI's error JSON (``JSONErrorRequestHandler``).
 - A request body must arrive within ``read_timeout_s`` (408), and a ``Content-Length`` above the body
   limit is refused before anything is read (413) (``read_body_middleware``).
 """
@@ -9,7 +10,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
+from http import HTTPStatus
 
 from aiohttp import web
 
@@ -42,6 +45,35 @@ def read_body_middleware(read_timeout_s: float, max_body_bytes: int):  # type: i
     return middleware
 
 
+class JSONErrorRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering what it refuses before any middleware runs (a header
+    line over 8190 bytes, more than 100 headers, a bad Content-Length) with OpenAI's error JSON instead
+    of plain text. Same slots: ``start_site`` switches each new handler's class to this one."""
+
+    __slots__ = ()
+
+    def handle_error(  # type: ignore[override]
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response was sent
+        client_error = 400 <= status < 500
+        error = {
+            "message": (message or HTTPStatus(status).phrase) if client_error else "internal server error",
+            "type": "invalid_request_error" if client_error else "api_error",
+            "param": None,
+            "code": "invalid_http_request" if client_error else None,
+        }
+        response = web.Response(
+            status=status, text=json.dumps({"error": error}), content_type="application/json"
+        )
+        response.force_close()
+        return response
+
+
 async def start_site(runner: web.AppRunner, host: str, port: int, header_timeout_s: float) -> asyncio.Server:
     """Listen like ``web.TCPSite``, closing connections whose first request head is not complete within
     ``header_timeout_s``. Close the returned server before ``runner.cleanup()``."""
@@ -58,6 +90,7 @@ async def start_site(runner: web.AppRunner, host: str, port: int, header_timeout
 
     def factory() -> web.RequestHandler:
         handler = server()
+        handler.__class__ = JSONErrorRequestHandler
         loop.call_later(header_timeout_s, close_if_silent, handler)
         return handler
 

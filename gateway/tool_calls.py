@@ -8,12 +8,14 @@ Two output styles, chosen from the chat template as vLLM's parsers are:
 - ``llama3_json`` (Llama 3.1/3.2 JSON tool calling): the whole answer is ``{"name": ..., "parameters":
   {...}}`` (optionally after ``<|python_tag|>``), several calls separated by ``;``.
 
-A call whose JSON does not parse or names a function that was not offered stays text (no invented calls).
+A call whose JSON does not parse or names a function that was not offered (or whose "name" is not a string)
+stays text (no invented calls).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -23,6 +25,8 @@ from typing import Any
 from gateway.errors import InvalidRequest
 from gateway.schemas import ChatRequest
 from gateway.structured_output import check_grammar, check_json_schema
+
+log = logging.getLogger(__name__)
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -48,13 +52,18 @@ class ToolCallParser:
     names: frozenset[str]  # functions offered in ``tools``
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """``(content, tool_calls)`` of a finished answer; no calls: ``(text, [])``."""
-        calls = self._calls(text)
-        if not calls:
+        """``(content, tool_calls)`` of a finished answer; no calls: ``(text, [])``. Never raises: the
+        text is model output already generated (and billed), so whatever it holds it is answered."""
+        try:
+            calls = self._calls(text)
+            if not calls:
+                return text, []
+            before = text[: text.find("<tool_call>")] if self.style == HERMES else ""
+            content = before.strip() or None  # llama3_json: the whole answer is the calls
+            return content, [_openai_call(name, arguments) for name, arguments in calls]
+        except Exception:
+            log.exception("model output not parsed as tool calls (left as text)")
             return text, []
-        before = text[: text.find("<tool_call>")] if self.style == HERMES else ""
-        content = before.strip() or None  # llama3_json: the whole answer is the calls
-        return content, [_openai_call(name, arguments) for name, arguments in calls]
 
     def _calls(self, text: str) -> list[tuple[str, Any]]:
         if self.style == HERMES:
@@ -70,9 +79,12 @@ class ToolCallParser:
         for item in raw:
             try:
                 value = json.loads(item)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: model output nested too deep
                 return []
-            if not isinstance(value, dict) or value.get("name") not in self.names:
+            if not isinstance(value, dict):
+                return []
+            name = value.get("name")
+            if not isinstance(name, str) or name not in self.names:  # a list or object is not a name
                 return []
             arguments = next((value[key] for key in keys if key in value), {})
             calls.append((value["name"], arguments))

@@ -211,8 +211,8 @@ def parse_cursor(cursor: str | None) -> int:
     if not cursor:
         return 0
     value = int(cursor)
-    if value < 0:
-        raise ValueError("negative cursor")
+    if not 0 <= value < 2**63:  # a row id is a BIGINT
+        raise ValueError("cursor out of range")
     return value
 
 

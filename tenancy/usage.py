@@ -195,26 +195,23 @@ class UsageWriter:
 
     async def _insert(self, events: list[UsageEvent]) -> list[UsageEvent]:
         """Insert a batch; returns the records the database refused for their content. When a batch
-        fails while the database answers, one record must be bad (a poison pill that would block every
-        later batch): insert one by one and set the refused ones aside. Connection problems raise."""
+        fails while the database answers, some record must be bad (a poison pill that would block every
+        later batch): the batch is bisected, so that k bad records among n cost about 2·k·log2(n)
+        inserts rather than n under the writer's lock, and the refused ones are set aside. Connection
+        problems raise (the stored halves are skipped on replay: inserts are idempotent)."""
         if not events:
             return []
         try:
             await self._call(lambda: insert_usage(self._sessionmaker, events))
             return []
         except Exception as exc:
-            if not is_content_error(exc) and not await self._database_reachable():
+            if not is_content_error(exc) and (len(events) == 1 or not await self._database_reachable()):
                 raise
-        refused = []
-        for event in events:
-            try:
-                await self._call(lambda event=event: insert_usage(self._sessionmaker, [event]))
-            except Exception as exc:
-                if not is_content_error(exc):
-                    raise  # a flap: the rest goes to the spool, the stored ones are skipped on replay
-                log.error("usage record %s rejected by the database: %s", event.request_id, exc)
-                refused.append(event)
-        return refused
+            if len(events) == 1:
+                log.error("usage record %s rejected by the database: %s", events[0].request_id, exc)
+                return list(events)
+        middle = len(events) // 2
+        return await self._insert(events[:middle]) + await self._insert(events[middle:])
 
     # --- spool, which must never kill the writer ---------------------------------------------------
 

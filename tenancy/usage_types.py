@@ -7,6 +7,7 @@ frozen into the record, so changing or deleting a tenant later never re-prices i
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -71,6 +72,16 @@ def price_tokens(prices: Prices, *, prompt_tokens: int, cached_tokens: int, comp
 ZERO_PRICES = Prices(input_per_mtok=0.0, cached_input_per_mtok=0.0, output_per_mtok=0.0)
 
 
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")  # NUL (PostgreSQL text refuses it), lone surrogates
+
+
+def storable_text(value: str, limit: int) -> str:
+    """``value`` cut to ``limit`` characters with what no database text column accepts replaced by
+    U+FFFD: a client-chosen string (model, user, request id) must never make a record unstorable."""
+    value = value[:limit]
+    return _UNSTORABLE.sub("\ufffd", value) if _UNSTORABLE.search(value) else value
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UsageEvent:
     request_id: str  # unique; the idempotency key of spool replay
@@ -119,15 +130,15 @@ class UsageEvent:
         by_tier = self.cached_tokens_by_tier
         cost = self.cost
         return {
-            "request_id": self.request_id,
-            "tenant_id": self.tenant_id,
-            "tenant_name": self.tenant_name[:200],
-            "key_id": self.key_id,
-            "end_user": None if self.end_user is None else self.end_user[:200],  # client-chosen
-            "model": self.model[:200],  # a client-chosen string: must never make a record unstorable
-            "endpoint": self.endpoint,
+            "request_id": storable_text(self.request_id, 80),
+            "tenant_id": storable_text(self.tenant_id, 40),
+            "tenant_name": storable_text(self.tenant_name, 200),
+            "key_id": None if self.key_id is None else storable_text(self.key_id, 40),
+            "end_user": None if self.end_user is None else storable_text(self.end_user, 200),
+            "model": storable_text(self.model, 200),
+            "endpoint": storable_text(self.endpoint, 40),
             "status": self.status,
-            "outcome": self.outcome,
+            "outcome": storable_text(self.outcome, 20),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "cached_l1_tokens": int(by_tier.get("l1", 0)),

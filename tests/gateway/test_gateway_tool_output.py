@@ -1,0 +1,93 @@
+"""Model output that looks like a tool call but is malformed stays text: the answer is delivered (200,
+a stream ends with [DONE]) and billed (hostile-input review, finding 3)."""
+
+import json
+
+import pytest
+from sqlalchemy import select
+
+from gateway.pipeline import RequestPipeline
+from gateway.state import SESSIONMAKER, USAGE_WRITER
+from gateway.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser, ToolCallStream
+from tenancy.models import UsageRecord
+from tests.gateway.conftest import create_tenant
+from tests.gateway.test_gateway_e2e import auth
+
+BAD = '<tool_call>{"name": ["f"], "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("style", "text"),
+    [
+        (HERMES, BAD),
+        (HERMES, '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>'),
+        (HERMES, "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"),  # RecursionError in json
+        (LLAMA3_JSON, '{"name": ["f"], "parameters": {}}'),
+        (LLAMA3_JSON, '{"name": null, "parameters": {}}'),
+    ],
+)
+def test_a_call_whose_name_is_not_a_string_stays_text(style, text):
+    parser = ToolCallParser(style=style, names=frozenset({"f"}))
+    assert parser.parse(text) == (text, [])
+    stream = ToolCallStream(parser=parser)
+    sent = stream.feed(text)
+    assert sent + stream.finish()[0] == text and stream.finish()[1] == []
+
+
+@pytest.fixture
+def bad_tool_output(monkeypatch):
+    """The real worker generates; only the answer's text is replaced by a malformed tool call (the
+    random-tiny model cannot be steered to write one; a Hermes/Qwen model can be prompted to)."""
+    generate, stream = RequestPipeline.generate, RequestPipeline.stream
+
+    async def bad_generate(self, prepared):
+        return {**(await generate(self, prepared)), "text": BAD}
+
+    async def bad_stream(self, prepared):
+        first = True
+        async for event in stream(self, prepared):
+            if event.get("text"):
+                event = {**event, "text": BAD if first else ""}
+                first = False
+            yield event
+
+    monkeypatch.setattr(RequestPipeline, "generate", bad_generate)
+    monkeypatch.setattr(RequestPipeline, "stream", bad_stream)
+
+
+async def _records(gateway) -> list[UsageRecord]:
+    await gateway.app[USAGE_WRITER].flush()
+    async with gateway.app[SESSIONMAKER]() as session:
+        return list(await session.scalars(select(UsageRecord)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_malformed_tool_call_in_the_answer_is_delivered_as_text_and_billed(
+    gateway, bad_tool_output, stream
+):
+    key = (await create_tenant(gateway))["api_key"]
+    body = {
+        "model": "random-tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": stream,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    response = await gateway.post("/v1/chat/completions", json=body, headers=auth(key))
+    text = await response.text()
+    assert response.status == 200, text
+    if stream:
+        events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", text[-300:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks), text[-500:]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    else:
+        message = json.loads(text)["choices"][0]["message"]
+        assert not message.get("tool_calls")
+        content = message["content"]
+    assert content == BAD
+    [record] = await _records(gateway)
+    assert (record.status, record.outcome, record.completion_tokens) == (200, "completed", 5)
+    assert record.prompt_tokens > 0
