@@ -51,9 +51,15 @@ def test_fair_queue_caps_each_tenant_separately():
 
 
 def hold_background(embedder: PromptEmbedder) -> threading.Event:
-    """Occupy the background thread until the returned event is set."""
-    gate = threading.Event()
-    assert embedder._background.submit("gate", gate.wait) is not None
+    """Occupy the background thread (running, not queued) until the returned event is set."""
+    running, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        running.set()
+        gate.wait()
+
+    assert embedder._background.submit("gate", hold) is not None
+    assert running.wait(HANG_GUARD_S)
     return gate
 
 
