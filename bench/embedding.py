@@ -10,7 +10,7 @@ near duplicate: the same prompt with another ticket id and date (a per-request s
 ``bench.routing``'s ``near_duplicate`` workload).
 
 1. **Latency**, per head, the gateway's int8 ONNX embedder beside the fp32 sentence-transformers
-   reference (interleaved head by head), once on the machine as it is ("as is") and once beside
+   reference (alternating in blocks of 25 heads), once on the machine as it is ("as is") and once beside
    ``--load-procs`` busy processes (a controlled background load, like the routing bench's workers).
    The int8 path is timed twice: the compute alone (``embed_blocking``) and the path a routed request
    takes (``await embed(urgent=True)``: queue, thread hand-off, event-loop wake-up).
@@ -109,9 +109,11 @@ def ms(values: list[float], q: float) -> float:
     return round(percentile(values, q) * 1000, 2)
 
 
-async def latency(fast: PromptEmbedder, reference: PromptEmbedder, heads: list[str]) -> dict:
-    """Per-head times, interleaved (the order rotating head by head): int8 compute in this thread,
-    int8 through the urgent queue and thread (the path a routed request takes), fp32 compute."""
+async def latency(fast: PromptEmbedder, reference: PromptEmbedder, heads: list[str], block: int = 25) -> dict:
+    """Per-head times of int8 compute in this thread, int8 through the urgent queue and thread (the
+    path a routed request takes) and fp32 compute, in alternating blocks of ``block`` heads (so all
+    three see the same load over time, and each runs with its own model warm in the caches, as in a
+    gateway that runs only one of them; head by head, fp32's weights evicted int8's between calls)."""
     compute, routed, fp32 = [], [], []
 
     async def int8_compute(text: str) -> None:
@@ -124,12 +126,13 @@ async def latency(fast: PromptEmbedder, reference: PromptEmbedder, heads: list[s
         reference.embed_blocking(text)
 
     steps = [(int8_compute, compute), (int8_routed, routed), (fp32_compute, fp32)]
-    for i, head in enumerate(heads):
-        for step, times in steps[i % 3 :] + steps[: i % 3]:
-            text = f"{head} #{i} {step.__name__}"  # distinct from every earlier call: no LRU hit
-            started = time.perf_counter()
-            await step(text)
-            times.append(time.perf_counter() - started)
+    for start in range(0, len(heads), block):
+        for step, times in steps:
+            for i, head in enumerate(heads[start : start + block], start):
+                text = f"{head} #{i} {step.__name__}"  # distinct from every earlier call: no LRU hit
+                started = time.perf_counter()
+                await step(text)
+                times.append(time.perf_counter() - started)
     return {
         "int8_p50_ms": ms(compute, 50), "int8_p99_ms": ms(compute, 99),
         "int8_routed_p50_ms": ms(routed, 50), "int8_routed_p99_ms": ms(routed, 99),
