@@ -186,6 +186,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     embedder = PromptEmbedder(
         cache_dir=Path(config.near_miss_cache_dir or config.data_dir / "embeddings"),
         backend=config.near_miss_embedding,
+        metrics=app[METRICS],
     )
     findings = RedisFindings(config.redis_url) if config.redis_url else LocalFindings()
     app[NEAR_MISS] = near_miss = NearMissRouting(

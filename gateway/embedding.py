@@ -5,83 +5,169 @@ with ``HF_HUB_OFFLINE=1``). It runs as an int8 ONNX Runtime graph exported from 
 use and cached in the data dir (``gateway.embedding_onnx``: ~4 ms a head on one thread, cosine ≥ 0.98
 with the fp32 model); if that graph cannot be built or loaded here, it runs as before through
 sentence-transformers in fp32 (~20 ms), and a warning says so. Either way nothing is imported or
-loaded before the first embedding a near-miss-enabled tenant needs, and that happens in a dedicated
-thread: the event loop never waits on the model. A gateway whose tenants never enable near-miss never
+loaded before the first embedding a near-miss-enabled tenant needs, and that happens in dedicated
+threads: the event loop never waits on the model. A gateway whose tenants never enable near-miss never
 loads it at all.
 
-The thread serves urgent embeddings (a request waits to be routed) before background ones (prompts
-being remembered), so remembering never delays routing. Identical heads are served from a small LRU.
+Two threads share the model (ONNX Runtime runs one session from several threads):
+- the **urgent** one serves embeddings a request waits for (it is being routed); it never waits behind
+  a background embedding, not even one already running;
+- the **background** one serves prompts being remembered, at a lower OS scheduling priority (nice +10,
+  where the OS lets a thread lower its own), so it yields the CPU to routing and to the event loop.
+Each class is queued per tenant and served round-robin between tenants, so a tenant flooding distinct
+prompts delays its own embeddings, not another's; a tenant may hold at most ``background_per_tenant``
+queued background embeddings, further ones are shed (``EmbeddingShed``, counted per tenant in
+``prefixgate_near_miss_embeddings_shed_total``). Identical heads are served from a small LRU.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import queue
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import numpy as np
 
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
+
 log = logging.getLogger(__name__)
 
 EMBEDDING_DIM = 384  # all-MiniLM-L6-v2
-URGENT, BACKGROUND = 0, 1  # priorities in the embedding thread
+UNATTRIBUTED = ""  # the tenant of embeddings submitted without one (they share one round-robin turn)
+BACKGROUND_NICE = 10  # added to the background thread's nice value (best effort, Linux)
 
 
-class _PriorityThread:
-    """One daemon thread running submitted calls, lowest priority number first, FIFO within one."""
+class EmbeddingShed(RuntimeError):
+    """A background embedding was not queued: its tenant already has the most queued (or it closed)."""
 
-    def __init__(self, name: str) -> None:
+
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    future: Future = field(default_factory=Future)
+
+
+class FairQueue:
+    """Jobs of one class: a FIFO per tenant, tenants served round-robin, at most ``per_tenant`` each.
+
+    A tenant that becomes busy joins the end of the round; one that empties leaves it. Not thread-safe:
+    ``_JobThread`` holds its lock around every call."""
+
+    def __init__(self, per_tenant: int | None = None) -> None:
+        self.per_tenant = per_tenant  # None: no cap
+        self._round: OrderedDict[str, deque[_Job]] = OrderedDict()  # tenants with queued jobs
+        self._size = 0
+
+    def put(self, tenant: str, job: _Job) -> bool:
+        """Queue ``job`` for ``tenant``; False (nothing queued) if that tenant is at its cap."""
+        jobs = self._round.get(tenant)
+        if jobs is None:
+            jobs = self._round[tenant] = deque()
+        if self.per_tenant is not None and len(jobs) >= self.per_tenant:
+            return False
+        jobs.append(job)
+        self._size += 1
+        return True
+
+    def pop(self) -> _Job | None:
+        """The next job: the oldest of the tenant whose turn it is (None when empty)."""
+        while self._round:
+            tenant, jobs = next(iter(self._round.items()))
+            if not jobs:
+                del self._round[tenant]
+                continue
+            job = jobs.popleft()
+            self._size -= 1
+            if jobs:
+                self._round.move_to_end(tenant)
+            else:
+                del self._round[tenant]
+            return job
+        return None
+
+    def depth(self, tenant: str) -> int:
+        jobs = self._round.get(tenant)
+        return len(jobs) if jobs else 0
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class _JobThread:
+    """One daemon thread running the jobs of a ``FairQueue``, started on the first job."""
+
+    def __init__(self, name: str, jobs: FairQueue, *, nice: int = 0) -> None:
         self._name = name
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()
+        self._jobs = jobs
+        self._nice = nice
+        self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        with self._lock:
+    def submit(self, tenant: str, fn: Callable[..., Any], *args: Any) -> Future | None:
+        """The future of ``fn(*args)``, or None if ``tenant`` is at its cap (nothing queued)."""
+        job = _Job(fn, args)
+        with self._ready:
             if self._closed:
-                raise RuntimeError("the embedding thread is closed")
+                raise EmbeddingShed("the embedding thread is closed")
+            if not self._jobs.put(tenant, job):
+                return None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._queue.put((priority, next(self._order), fn, args, future))
-        return future
+            self._ready.notify()
+        return job.future
+
+    def depth(self, tenant: str) -> int:
+        with self._ready:
+            return self._jobs.depth(tenant)
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._jobs)
 
     def _run(self) -> None:
+        if self._nice:
+            try:  # Linux: a thread's nice value is its own (its native id is a "process" here)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (AttributeError, OSError) as error:
+                log.info("near-miss embeddings: %s keeps its priority (%s)", self._name, error)
         while True:
-            _, _, fn, args, future = self._queue.get()
-            if fn is None:
-                return
-            if not future.set_running_or_notify_cancel():
+            with self._ready:
+                job = self._jobs.pop()
+                while job is None and not self._closed:
+                    self._ready.wait()
+                    job = self._jobs.pop()
+                if job is None:
+                    return
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                job.future.set_result(job.fn(*job.args))
             except BaseException as error:  # handed to the awaiting caller
-                future.set_exception(error)
+                job.future.set_exception(error)
 
     def close(self) -> None:
-        """Cancel what is queued and let the thread end after the call it is running."""
-        with self._lock:
+        """Cancel what is queued and let the thread end after the job it is running."""
+        with self._ready:
             self._closed = True
-            while True:
-                try:
-                    *_, future = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if future is not None:
-                    future.cancel()
-            if self._thread is not None:
-                self._queue.put((-1, next(self._order), None, (), None))
+            while (job := self._jobs.pop()) is not None:
+                job.future.cancel()
+            self._ready.notify_all()
+
+
+def _key(text: str) -> bytes:
+    return blake3.blake3(text.encode()).digest(16)
 
 
 class PromptEmbedder:
@@ -93,10 +179,13 @@ class PromptEmbedder:
         max_seq_tokens: int = 32,
         cache_entries: int = 4096,
         threads: int = 1,
+        background_per_tenant: int = 16,
+        background_nice: int = BACKGROUND_NICE,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         """``backend``: "auto" (the int8 ONNX graph cached in ``cache_dir``, else sentence-transformers)
         or "sentence-transformers" (the fp32 reference). Without a ``cache_dir`` "auto" cannot cache the
-        graph and uses sentence-transformers."""
+        graph and uses sentence-transformers. ``metrics``: where shed background embeddings are counted."""
         if backend not in {"auto", "sentence-transformers"}:
             raise ValueError(f"unknown embedding backend {backend!r}")
         self.cache_dir = cache_dir
@@ -104,13 +193,30 @@ class PromptEmbedder:
         self.backend: str | None = None  # what runs, once loaded: "onnx-int8" or "sentence-transformers"
         self.max_seq_tokens = max_seq_tokens
         self.threads = threads
-        self._thread = _PriorityThread("near-miss-embed")
+        self._urgent = _JobThread("near-miss-embed", FairQueue())
+        self._background = _JobThread(
+            "near-miss-embed-bg", FairQueue(background_per_tenant), nice=background_nice
+        )
         self._encode_fn: Callable[[str], np.ndarray] | None = None
         self._load_lock = threading.Lock()
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # both threads fill it: _cache_lock
+        self._cache_lock = threading.Lock()
         self._cache_entries = cache_entries
-        self._in_flight: dict[bytes, Future] = {}
-        self.pending = 0  # embeddings queued or running (callers shed optional work above a bound)
+        self._in_flight: dict[bytes, tuple[Future, bool]] = {}  # key -> (future, urgent)
+        self.pending = 0  # embeddings awaited (callers shed optional work above a bound)
+        self.shed: dict[str, int] = {}  # background embeddings shed, per tenant
+        self._shed_counter = None
+        self._tenant_label: Callable[[str], str] = lambda tenant: tenant
+        if metrics is not None:
+            from prometheus_client import Counter
+
+            self._tenant_label = metrics.tenant_label
+            self._shed_counter = Counter(
+                "prefixgate_near_miss_embeddings_shed",
+                "Background near-miss embeddings not queued: the tenant already had the most queued",
+                ["tenant"],
+                registry=metrics.registry,
+            )
 
     def _load(self) -> Callable[[str], np.ndarray]:
         with self._load_lock:
@@ -159,48 +265,83 @@ class PromptEmbedder:
         self.backend = "sentence-transformers"
         return encode
 
-    def _encode(self, text: str) -> np.ndarray:
-        return self._load()(text)
+    def _compute(self, key: bytes, text: str) -> np.ndarray:
+        """In an embedding thread: the vector, unless the other thread has just computed it."""
+        vector = self._lookup(key)
+        if vector is None:
+            vector = self._load()(text)
+            with self._cache_lock:
+                self._cache[key] = vector
+                if len(self._cache) > self._cache_entries:
+                    self._cache.popitem(last=False)
+        return vector
+
+    def _lookup(self, key: bytes) -> np.ndarray | None:
+        with self._cache_lock:
+            vector = self._cache.get(key)
+            if vector is not None:
+                self._cache.move_to_end(key)
+        return vector
 
     def embed_blocking(self, text: str) -> np.ndarray:
         """The unit-norm embedding of ``text`` (call from a worker thread, never the event loop)."""
-        return self._encode(text)
+        return self._load()(text)
 
     def cached(self, text: str) -> np.ndarray | None:
         """The embedding of ``text`` if the LRU holds it (no work)."""
-        key = blake3.blake3(text.encode()).digest(16)
-        vector = self._cache.get(key)
-        if vector is not None:
-            self._cache.move_to_end(key)
-        return vector
+        return self._lookup(_key(text))
 
-    async def embed(self, text: str, *, urgent: bool = True) -> np.ndarray:
-        """The unit-norm embedding of ``text``, computed in the embedding thread.
+    async def embed(self, text: str, *, urgent: bool = True, tenant: str = UNATTRIBUTED) -> np.ndarray:
+        """The unit-norm embedding of ``text``, computed in an embedding thread.
 
-        ``urgent`` embeddings (a request waits for them) run before every queued background one."""
-        cached = self.cached(text)
+        ``urgent`` embeddings (a request waits for them) have their own thread and never wait for a
+        background one; a background one raises ``EmbeddingShed`` if ``tenant`` already has
+        ``background_per_tenant`` queued. Within each class, tenants take turns."""
+        key = _key(text)
+        cached = self._lookup(key)
         if cached is not None:
             return cached
-        key = blake3.blake3(text.encode()).digest(16)
-        future = self._in_flight.get(key)  # the same head asked again before its embedding is done
-        if future is None:
-            future = self._in_flight[key] = self._thread.submit(
-                URGENT if urgent else BACKGROUND, self._encode, text
-            )
-            future.add_done_callback(lambda _: self._in_flight.pop(key, None))
+        entry = self._in_flight.get(key)  # the same head asked again before its embedding is done
+        if entry is None or (urgent and not entry[1] and not entry[0].running()):
+            future = self._submit(key, text, urgent=urgent, tenant=tenant)
+        else:
+            future = entry[0]
         self.pending += 1
         try:
-            vector = await asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.shield(asyncio.wrap_future(future))
         finally:
             self.pending -= 1
-        self._cache[key] = vector
-        if len(self._cache) > self._cache_entries:
-            self._cache.popitem(last=False)
-        return vector
+
+    def _submit(self, key: bytes, text: str, *, urgent: bool, tenant: str) -> Future:
+        thread = self._urgent if urgent else self._background
+        future = thread.submit(tenant, self._compute, key, text)
+        if future is None:
+            self.shed[tenant] = self.shed.get(tenant, 0) + 1
+            if self._shed_counter is not None:
+                self._shed_counter.labels(self._tenant_label(tenant)).inc()
+            raise EmbeddingShed(f"tenant {tenant!r} has {thread.depth(tenant)} background embeddings queued")
+        self._in_flight[key] = (future, urgent)
+
+        def forget(done: Future) -> None:  # in the embedding thread; a newer urgent entry stays
+            entry = self._in_flight.get(key)
+            if entry is not None and entry[0] is done:
+                self._in_flight.pop(key, None)
+
+        future.add_done_callback(forget)
+        return future
+
+    def queued(self, tenant: str | None = None) -> tuple[int, int]:
+        """(urgent, background) embeddings queued, of ``tenant`` or of all (tests, benchmarks)."""
+        if tenant is None:
+            return len(self._urgent), len(self._background)
+        return self._urgent.depth(tenant), self._background.depth(tenant)
 
     async def warm_up(self) -> None:
         """Load (and if needed export) the model now rather than on the first embedding."""
-        await asyncio.wrap_future(self._thread.submit(URGENT, self._load))
+        future = self._urgent.submit(UNATTRIBUTED, self._load)
+        assert future is not None  # the urgent queue has no cap
+        await asyncio.wrap_future(future)
 
     def close(self) -> None:
-        self._thread.close()
+        self._urgent.close()
+        self._background.close()

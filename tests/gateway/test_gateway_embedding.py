@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from pathlib import Path
@@ -76,21 +75,4 @@ def test_without_a_usable_cache_dir_it_falls_back_to_sentence_transformers(tmp_p
     assert embedder.backend == "sentence-transformers"
     assert "using sentence-transformers" in caplog.text
     assert abs(float(np.linalg.norm(vector)) - 1) < 1e-4
-    embedder.close()
-
-
-async def test_urgent_embeddings_run_before_queued_background_ones(embedding_cache):  # noqa: F811
-    embedder = PromptEmbedder(cache_dir=embedding_cache)
-    await embedder.warm_up()
-    done: list[str] = []
-
-    async def embed(name: str, urgent: bool) -> None:
-        await embedder.embed(f"{name} of a prompt head, distinct text", urgent=urgent)
-        done.append(name)
-
-    background = [asyncio.create_task(embed(f"background {i}", False)) for i in range(6)]
-    await asyncio.sleep(0)  # all six are queued (the first may already run)
-    await embed("urgent", True)
-    await asyncio.gather(*background)
-    assert done.index("urgent") <= 1, done
     embedder.close()
