@@ -26,11 +26,12 @@ they have one (``gateway.near_miss_findings``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 import numpy as np
@@ -41,8 +42,18 @@ from gateway.model import ModelRuntime
 from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
 from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
+from policies.isolation import GLOBAL_NAMESPACE_KEY
 from policies.near_miss import SegmentLayout, layout_of, reusable
 from tenancy.policy import TenantPolicy
+
+
+class PolicySource(Protocol):
+    """What near miss reads of the tenant policies in force (``tenancy.cache.PolicyCache``)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def get(self, tenant_id: str) -> TenantPolicy | None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,8 +122,12 @@ class NearMissRouting:
         max_wait_s: float = 0.015,
         recent_per_namespace: int = 16,
         findings: LocalFindings | RedisFindings | None = None,
+        policies: PolicySource | None = None,
+        sweep_s: float = 1.0,
     ) -> None:
-        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own)."""
+        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own).
+        ``policies``: the tenant policies in force (``tenancy.cache.PolicyCache``); every ``sweep_s``
+        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -127,7 +142,15 @@ class NearMissRouting:
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
+        # Which (model, key) pairs each tenant's prompts are remembered under, and the tenant epoch
+        # they were remembered at: a purge or invalidation (an epoch bump) drops them all.
+        self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
+        self._epoch_of: dict[str, int] = {}
+        self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
         self._background: set[asyncio.Task] = set()
+        self._policies = policies
+        self._sweep_s = sweep_s
+        self._sweeper: asyncio.Task | None = None
 
     # ---- the routing decision ------------------------------------------------------------------
     async def route(
@@ -140,11 +163,12 @@ class NearMissRouting:
         exact_url: str,
     ) -> NearMissRoute:
         """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
+        self._observe_epoch(tenant)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         head = model.decode(token_ids[: self.head_tokens])
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
-            self._remember(model, tokens, segments, exact_url, head)
+            self._remember(tenant, model, tokens, segments, exact_url, head)
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         # The namespace's latest prompts first, by tokens alone: a burst of similar prompts finds its
         # first one at once, before that one's embedding (or its blocks) exists.
@@ -169,7 +193,7 @@ class NearMissRouting:
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
         self._count("moved" if exact_tokens is not None else "late" if late else "kept")
-        self._remember(model, tokens, segments, chosen, head, vector)
+        self._remember(tenant, model, tokens, segments, chosen, head, vector)
         return NearMissRoute(worker_url=chosen, exact_tokens=exact_tokens)
 
     def _worth_moving(
@@ -246,6 +270,7 @@ class NearMissRouting:
     # ---- remembering prompts -------------------------------------------------------------------
     def _remember(
         self,
+        tenant: TenantPolicy,
         model: ModelRuntime,
         tokens: np.ndarray,
         segments: Sequence[NamespaceSegment],
@@ -256,6 +281,10 @@ class NearMissRouting:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
         background, off the request's path; shed when embeddings queue up)."""
         own_key = bytes(segments[-1].key)
+        if own_key != GLOBAL_NAMESPACE_KEY:  # the shared pool's prompts are no one tenant's to forget
+            self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
+        if self._sweeper is None and self._policies is not None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         entry = Remembered(token_ids=tokens, layout=layout_of(segments), worker_url=url, own_key=own_key)
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
@@ -278,6 +307,8 @@ class NearMissRouting:
         self._spawn(remember())
 
     def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
+        if entry.own_key in self._forgotten:  # embedded after its tenant was purged
+            return
         vectors = self._vectors.get((model_id, entry.own_key))
         if vectors is None:
             vectors = NamespaceVectors(EMBEDDING_DIM, self._capacity)
@@ -289,9 +320,11 @@ class NearMissRouting:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def num_remembered(self) -> int:
-        """Prompts remembered over every namespace (tests, benchmarks)."""
-        return sum(len(vectors) for vectors in self._vectors.values())
+    def num_remembered(self, tenant_id: str | None = None) -> int:
+        """Prompts remembered (embedded) over every namespace, or one tenant's (tests, benchmarks)."""
+        if tenant_id is None:
+            return sum(len(vectors) for vectors in self._vectors.values())
+        return sum(len(self._vectors.get(pair, ())) for pair in self._keys_of.get(tenant_id, ()))
 
     # ---- findings ------------------------------------------------------------------------------
     def _record_finding(
@@ -332,9 +365,50 @@ class NearMissRouting:
         return await self._findings.recent(tenant_id)
 
     async def forget_tenant(self, tenant_id: str) -> None:
+        """Drop everything remembered of a tenant: its prompts, vectors and findings, here and in Redis.
+
+        Called by the admin purge, invalidate and delete; other replicas drop their own copies when
+        they see the tenant's new epoch (``_observe_epoch``)."""
+        self._forget_local(tenant_id)
         await self._findings.forget(tenant_id)
 
+    def _observe_epoch(self, tenant: TenantPolicy) -> None:
+        """A tenant whose epoch changed since its prompts were remembered was purged or invalidated
+        through some replica: its old prompts can never be reused (their keys are gone), so drop them."""
+        known = self._epoch_of.get(tenant.tenant_id)
+        if known is not None and known != tenant.epoch:
+            self._forget_local(tenant.tenant_id)
+        self._epoch_of[tenant.tenant_id] = tenant.epoch
+
+    def _forget_local(self, tenant_id: str) -> None:
+        for pair in self._keys_of.pop(tenant_id, ()):
+            self._recent.pop(pair, None)
+            self._vectors.pop(pair, None)
+            self._forgotten.add(pair[1])
+        self._findings.forget_local(tenant_id)
+
+    def sweep(self) -> None:
+        """Forget the remembered tenants whose epoch moved, who opted out or who were deleted."""
+        if self._policies is None or not self._policies.ready:
+            return
+        for tenant_id in list(self._epoch_of):
+            tenant = self._policies.get(tenant_id)
+            if tenant is None or not tenant.near_miss_routing:  # deleted, or opted out
+                self._forget_local(tenant_id)
+                del self._epoch_of[tenant_id]
+            else:
+                self._observe_epoch(tenant)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            self.sweep()
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         self.embedder.close()
