@@ -119,7 +119,7 @@ class NearMissRouting:
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
         max_pending_embeddings: int = 32,
-        max_wait_s: float = 0.015,
+        max_wait_s: float = 0.0,
         recent_per_namespace: int = 16,
         findings: LocalFindings | RedisFindings | None = None,
         policies: PolicySource | None = None,
@@ -168,16 +168,18 @@ class NearMissRouting:
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         head = model.decode(token_ids[: self.head_tokens])
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
-            self._remember(tenant, model, tokens, segments, exact_url, head)
+            # The exact index covers this prefix, and so every later prompt that shares it: remembered
+            # by tokens among the latest (findings), never embedded (no CPU taken from the workers).
+            self._remember(tenant, model, tokens, segments, exact_url, head, embed=False)
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         # The namespace's latest prompts first, by tokens alone: a burst of similar prompts finds its
-        # first one at once, before that one's embedding (or its blocks) exists.
+        # first one at once, before that one's blocks (or its embedding) exist.
         nominees = self._recent_of(model.model_id, segments)
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
             vector = await self._embed_within_bound(head)
-            late = vector is None
+            late = vector is None and self.max_wait_s > 0
             if vector is not None:
                 found = [entry for _, entry in self._search(model.model_id, segments, vector)]
                 nominees += found
@@ -187,8 +189,10 @@ class NearMissRouting:
         self._record_finding(tenant, model, tokens, segments, nominees, request.block_size)
         chosen = exact_url
         exact_tokens: int | None = None
-        if best is not None and self._worth_moving(
-            request, by_url[exact_url], by_url[best[1].worker_url], best[0]
+        if (
+            best is not None
+            and best[1].worker_url != exact_url  # the exact route goes there anyway: nothing to credit
+            and self._worth_moving(request, by_url[exact_url], by_url[best[1].worker_url], best[0])
         ):
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
@@ -211,9 +215,10 @@ class NearMissRouting:
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
     async def _embed_within_bound(self, head: str) -> np.ndarray | None:
-        """The head's embedding, ahead of queued background ones; None if not ready within the bound."""
+        """The head's embedding, ahead of queued background ones; None if not ready within the bound
+        (with no bound, only an embedding already at hand: the request never waits)."""
         vector = self.embedder.cached(head)
-        if vector is not None:
+        if vector is not None or self.max_wait_s <= 0:
             return vector
         started = time.perf_counter()
         job = asyncio.ensure_future(self.embedder.embed(head, urgent=True))
@@ -277,9 +282,11 @@ class NearMissRouting:
         url: str,
         head: str,
         vector: np.ndarray | None = None,
+        *,
+        embed: bool = True,
     ) -> None:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
-        background, off the request's path; shed when embeddings queue up)."""
+        background, off the request's path; shed when embeddings queue up; not at all without ``embed``)."""
         own_key = bytes(segments[-1].key)
         if own_key != GLOBAL_NAMESPACE_KEY:  # the shared pool's prompts are no one tenant's to forget
             self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
@@ -294,8 +301,8 @@ class NearMissRouting:
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
-        if self.embedder.pending >= self._max_pending:
-            return
+        if not embed or self.max_wait_s <= 0 or self.embedder.pending >= self._max_pending:
+            return  # without a wait bound no request ever searches FAISS: an embedding would be wasted
 
         async def remember() -> None:
             try:
