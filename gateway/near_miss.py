@@ -1,26 +1,26 @@
 """Near-miss routing: when the exact KV index finds little, route to a worker holding a similar prompt.
 
 For tenants that enable it (``near_miss_routing``), every routed prompt is remembered per namespace
-key: its tokens and the worker it went to, at once among the namespace's ``recent_per_namespace``
-latest, and its head's embedding in a FAISS inner-product index once computed. When the exact index
-finds fewer than ``min_blocks`` cached blocks on every worker, the latest prompts of the request's own
-namespace keys (its tenant key, plus the global key when its prefix is promoted) are nominated, and,
-unless one of them already shares ``min_blocks``, so are the nearest of the FAISS index (the head is
-embedded by ``gateway.embedding`` in its own thread). Each nominee is verified on tokens
-(``policies.near_miss``): only the blocks the two prompts share exactly, under the same keys, count;
-the request goes to the nominee's worker if that beats the exact route.
-Embeddings never decide reuse, and an index is keyed by namespace *key*, so no search ever sees another
-tenant's prompts (nor this tenant's prompts of an earlier epoch).
+key: its tokens and the worker it went to, among the namespace's ``recent_per_namespace`` latest. When
+the exact index finds fewer than ``min_blocks`` cached blocks on every worker, the latest prompts of the
+request's own namespace keys (its tenant key, plus the global key when its prefix is promoted) are
+nominated. Each nominee is verified on tokens (``policies.near_miss``): only the blocks the two prompts
+share exactly, under the same keys, count; the request goes to the nominee's worker if that beats the
+exact route. An index is keyed by namespace *key*, so no search ever sees another tenant's prompts (nor
+this tenant's prompts of an earlier epoch).
 
-Near miss costs a request at most ``max_wait_s``: the head is embedded on the request's path only when
-the exact index found too little *and* the request's namespaces have remembered prompts to search;
-that embedding jumps the queue of background ones and is waited for at most ``max_wait_s`` (then the
-exact route stands and the vector is still remembered). Every other prompt is remembered in the
-background, after routing.
+FAISS is on only with a wait bound (``max_wait_s`` > 0; default 0): then cold prompts are also embedded
+in the background (``gateway.embedding``, its own thread) into a FAISS inner-product index per key, and
+a request whose latest prompts share too little, in a namespace with vectors to search, waits at most
+``max_wait_s`` for its head's embedding (ahead of queued background ones) and nominates its nearest
+too. Embeddings never decide reuse. Without a bound nothing is embedded and no request waits: measured
+on ``bench.routing``, with the KV-event index on, FAISS found nothing the latest prompts had not, and its
+embeddings took CPU from the workers (docs/routing.md).
 
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
 canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
-they have one (``gateway.near_miss_findings``).
+they have one (``gateway.near_miss_findings``). Invalidate, purge and delete forget a tenant here and
+in Redis (``forget_tenant``); other replicas forget it when their policies show its new epoch.
 """
 
 from __future__ import annotations
