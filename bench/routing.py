@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
     cost = results["near_duplicate"]["kv_aware+near_miss+faiss"].pop("embedding")
-    console = Console()
+    console = Console(width=160)  # full policy names also when not on a terminal
     for kind, by_policy in results.items():
         table = Table(
             title=f"routing: {kind} (3 workers, concurrency {args.concurrency}, SLO {args.slo_ms:.0f} ms)"
