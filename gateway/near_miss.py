@@ -164,6 +164,8 @@ class NearMissRouting:
     ) -> NearMissRoute:
         """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
         self._observe_epoch(tenant)
+        if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
+            return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         head = model.decode(token_ids[: self.head_tokens])

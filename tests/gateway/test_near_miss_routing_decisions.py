@@ -104,6 +104,19 @@ async def test_a_prompt_the_exact_index_covers_is_not_embedded(runtime):  # noqa
     await routing.close()
 
 
+async def test_a_request_prepared_before_its_tenants_purge_leaves_nothing_behind(near_miss, runtime):  # noqa: F811
+    first, second = prompt_pair(4)
+    await near_miss.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    await near_miss.forget_tenant(TENANT.tenant_id)
+    assert near_miss._recent_of(runtime.model_id, SEGMENTS) == []
+    # Still in flight with the old policy (old epoch, old key) when the purge came: routed exactly,
+    # remembered nowhere, no finding.
+    routed = await near_miss.route(TENANT, runtime, second, SEGMENTS, request(), URLS[1])
+    assert routed.worker_url == URLS[1] and routed.exact_tokens is None
+    assert near_miss._recent_of(runtime.model_id, SEGMENTS) == []
+    assert await near_miss.findings(TENANT.tenant_id) == []
+
+
 def _unit():
     import numpy as np
 
