@@ -382,12 +382,13 @@ class NearMissRouting:
         await self._findings.forget(tenant_id)
 
     def _observe_epoch(self, tenant: TenantPolicy) -> None:
-        """A tenant whose epoch changed since its prompts were remembered was purged or invalidated
-        through some replica: its old prompts can never be reused (their keys are gone), so drop them."""
+        """A tenant whose epoch grew since its prompts were remembered was purged or invalidated
+        through some replica: its old prompts can never be reused (their keys are gone), so drop them.
+        (A request still carrying an older epoch changes nothing: its key is among the forgotten.)"""
         known = self._epoch_of.get(tenant.tenant_id)
-        if known is not None and known != tenant.epoch:
+        if known is not None and tenant.epoch > known:
             self._forget_local(tenant.tenant_id)
-        self._epoch_of[tenant.tenant_id] = tenant.epoch
+        self._epoch_of[tenant.tenant_id] = max(tenant.epoch, known if known is not None else tenant.epoch)
 
     def _forget_local(self, tenant_id: str) -> None:
         for pair in self._keys_of.pop(tenant_id, ()):
