@@ -168,7 +168,8 @@ class NearMissRouting:
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
-        head = model.decode(token_ids[: self.head_tokens])
+        # The decoded head is for the embedder only: without a wait bound nothing is embedded.
+        head = model.decode(token_ids[: self.head_tokens]) if self.max_wait_s > 0 else ""
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
             # The exact index covers this prefix, and so every later prompt that shares it: remembered
             # by tokens among the latest (findings), never embedded (no CPU taken from the workers).
@@ -299,7 +300,8 @@ class NearMissRouting:
         if recent is None:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
         recent.append(entry)
-        vector = vector if vector is not None else self.embedder.cached(head)
+        if vector is None and head:
+            vector = self.embedder.cached(head)
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
