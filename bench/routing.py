@@ -6,17 +6,24 @@
 Three worker processes (``random-small``, the built-in model's shape; ``--threads 1`` each; a small
 device pool and no L2 so that where a prefix lives matters) sit behind one in-process gateway that is
 rebuilt for each policy: random, round-robin, consistent hash (rendezvous over the first 4 blocks),
-least-loaded, KV-aware (the KV-event index), KV-aware + near-miss (tenants opted in). Each policy gets
+least-loaded, KV-aware (the KV-event index), KV-aware + near-miss (tenants opted in; the default: the
+namespace's latest prompts checked by tokens, no embedding) and KV-aware + near-miss + FAISS
+(``near_miss_max_wait_ms`` 15: the head embedded and searched on the request path). Each policy gets
 fresh tenants (fresh namespaces) and every worker's cache is purged between policies.
 
 Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`` 4):
 - ``multi_tenant``: 6 tenants with Zipf traffic, each with 10 system prompts of 8–24 blocks (Zipf),
   then a distinct 1–4 block user part;
-- ``near_duplicate``: the same, but every request carries its own 8-token span (an id, a time) after
-  the first 3 blocks of its system prompt, and each system prompt first appears in a burst.
+- ``near_duplicate``: the same system prompts as templates with 2 fields (a date, a name, an id) at
+  block positions drawn once per prompt, uniformly from block 1 to its last block; every request fills
+  them with its own 8 tokens (so it shares exactly the blocks before the first field with its
+  siblings), and requests come in bursts of 4–8 of one template. Only templates whose first field
+  falls inside the router's 4-block affinity window scatter under the cold hash.
 
 Closed loop with ``--concurrency`` clients. Hit ratio = cached prompt tokens / prompt tokens; goodput =
-requests per second whose TTFT met ``--slo-ms``. The embedding cost of near-miss is measured on the
+requests per second whose TTFT met ``--slo-ms``; process CPU per request = this process's CPU time
+(clients, gateway, embedding thread) over the policy's run, divided by its requests: what near miss
+adds there is CPU the workers lose on a small machine. The embedding cost of near-miss is measured on the
 path users run: the gateway's own embedder (int8 ONNX graph unless it could not be built) on the
 near_duplicate workload's distinct 128-token heads decoded by the gateway's tokenizer, beside the fp32
 sentence-transformers reference on the same heads. Ends with one JSON line.
@@ -60,6 +67,13 @@ POLICIES: dict[str, dict] = {
     "least_loaded": {"router": "least_loaded", "kv_index": False},
     "kv_aware": {"router": "kv_aware", "kv_index": True},
     "kv_aware+near_miss": {"router": "kv_aware", "kv_index": True, "near_miss": True},
+    # The FAISS search on the request path too, waiting up to 15 ms for the head's embedding.
+    "kv_aware+near_miss+faiss": {
+        "router": "kv_aware",
+        "kv_index": True,
+        "near_miss": True,
+        "config": {"near_miss_max_wait_ms": 15.0},
+    },
 }
 
 
@@ -83,14 +97,26 @@ def workload(kind: str, num_requests: int, seed: int, num_tenants: int = 6, prom
         ]
         for _ in range(num_tenants)
     ]
+    # near_duplicate: each system prompt is a template with 2 fields (a date, a user name, an id ...)
+    # at fixed block positions, drawn once; every request fills them with its own 8 tokens.
+    # (Drawn from their own generator: multi_tenant's requests stay what they were.)
+    field_rng = random.Random(seed + 1)
+    fields = [
+        [sorted(field_rng.sample(range(1, len(s) // BLOCK), 2)) for s in by_tenant] for by_tenant in systems
+    ]
     requests: list[Request] = []
     while len(requests) < num_requests:
         tenant, which = zipf_pick(rng, num_tenants), zipf_pick(rng, prompts_per_tenant)
         burst = rng.randint(4, 8) if kind == "near_duplicate" else 1
         for _ in range(burst):
             system = systems[tenant][which]
-            if kind == "near_duplicate":  # a per-request span after 3 blocks (an id, a timestamp)
-                system = system[: 3 * BLOCK] + [rng.randrange(1, 250) for _ in range(8)] + system[3 * BLOCK :]
+            if kind == "near_duplicate":
+                filled: list[int] = []
+                start = 0
+                for block in fields[tenant][which]:
+                    filled += system[start : block * BLOCK] + [rng.randrange(1, 250) for _ in range(8)]
+                    start = block * BLOCK
+                system = filled + system[start:]
             user = [rng.randrange(1, 250) for _ in range(rng.randint(BLOCK, 4 * BLOCK))]
             requests.append(Request(tenant=tenant, prompt=system + user))
     return requests[:num_requests]
@@ -130,6 +156,7 @@ async def start_gateway(urls: list[str], data_dir: Path, settings: dict) -> tupl
         kv_index=settings["kv_index"],
         worker_health_interval_s=0.5,
         log_level="WARNING",
+        **settings.get("config", {}),
     )
     runner = web.AppRunner(create_app(config), access_log=None)
     await runner.setup()
@@ -167,18 +194,22 @@ async def run_policy(
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
         tenants = []
         for t in range(max(r.tenant for r in requests) + 1):
-            body = {"name": f"{kind}-{name}-{t}", "near_miss_routing": bool(settings.get("near_miss"))}
+            body = {
+                "name": f"{kind}-{name}-{t}-{os.urandom(3).hex()}",
+                "near_miss_routing": bool(settings.get("near_miss")),
+            }
             async with admin.post(f"{base}/admin/v1/tenants", json=body) as r:
                 if r.status != 201:
                     raise RuntimeError(f"creating a tenant: {r.status} {await r.text()}")
                 tenants.append(await r.json())
         await asyncio.sleep(0.6)  # policy refresh
-    if settings.get("near_miss"):
+    faiss = settings.get("config", {}).get("near_miss_max_wait_ms", 0) > 0
+    if faiss:
         await app[NEAR_MISS].embedder.warm_up()  # the model load (and export) is a one-off
     results: list[tuple[float, dict]] = []
     queue = list(requests)
     task = progress.add_task(name, total=len(requests))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def client() -> None:
@@ -189,6 +220,7 @@ async def run_policy(
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started  # this process: clients, gateway, embedding thread
         for tenant in tenants:  # cold caches for the next policy
             for url in urls:
                 async with session.post(f"{url}/v1/purge", json={"namespace_id": tenant["namespace_id"]}):
@@ -201,7 +233,7 @@ async def run_policy(
             outcome: int(registry.get_sample_value(name, {"outcome": outcome}) or 0)
             for outcome in ("moved", "kept", "late")
         }
-        if kind == "near_duplicate":
+        if kind == "near_duplicate" and faiss:
             model = app[PIPELINE].resolve_model("random-small")
             heads = list(dict.fromkeys(model.decode(r.prompt[:128]) for r in requests))
             extra["embedding"] = await asyncio.to_thread(embedding_cost, app[NEAR_MISS].embedder, heads)
@@ -216,6 +248,7 @@ async def run_policy(
         "ttft_p99_ms": round(percentile(ttfts, 99), 1),
         "goodput_rps": round(sum(t <= args.slo_ms for t in ttfts) / elapsed, 2),
         "near_miss_tokens": near,
+        "process_cpu_ms_per_request": round(cpu_s * 1000 / max(1, len(results)), 2),
         "requests": len(results),
         **extra,
     }
@@ -301,13 +334,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, default=Path("docs/img/routing.png"))
     args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
-    cost = results["near_duplicate"]["kv_aware+near_miss"].pop("embedding")
-    console = Console()
+    cost = results["near_duplicate"]["kv_aware+near_miss+faiss"].pop("embedding")
+    console = Console(width=160)  # full policy names also when not on a terminal
     for kind, by_policy in results.items():
         table = Table(
             title=f"routing: {kind} (3 workers, concurrency {args.concurrency}, SLO {args.slo_ms:.0f} ms)"
         )
-        for column in ("policy", "hit ratio", "TTFT p50 ms", "TTFT p99 ms", "goodput req/s", "near-miss tok"):
+        columns = (
+            "policy",
+            "hit ratio",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "goodput req/s",
+            "near-miss tok",
+            "CPU ms/req",
+        )
+        for column in columns:
             table.add_column(column, justify="right")
         for name, row in by_policy.items():
             table.add_row(
@@ -317,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['ttft_p99_ms']:.1f}",
                 f"{row['goodput_rps']:.2f}",
                 str(row["near_miss_tokens"]),
+                f"{row['process_cpu_ms_per_request']:.1f}",
             )
         console.print(table)
     mt = results["multi_tenant"]
@@ -339,6 +382,17 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "near_miss_vs_kv_goodput": round(
             nd["kv_aware+near_miss"]["goodput_rps"] / max(1e-9, nd["kv_aware"]["goodput_rps"]), 2
+        ),
+        "near_miss_faiss_extra_hit_ratio": round(
+            nd["kv_aware+near_miss+faiss"]["hit_ratio"] - nd["kv_aware"]["hit_ratio"], 4
+        ),
+        "multi_tenant_near_miss_vs_kv_goodput": round(
+            mt["kv_aware+near_miss"]["goodput_rps"] / max(1e-9, mt["kv_aware"]["goodput_rps"]), 2
+        ),
+        "multi_tenant_near_miss_extra_cpu_ms_per_request": round(
+            mt["kv_aware+near_miss"]["process_cpu_ms_per_request"]
+            - mt["kv_aware"]["process_cpu_ms_per_request"],
+            2,
         ),
         **cost,
     }

@@ -8,7 +8,16 @@ from aiohttp import web
 
 from gateway.errors import ConflictError, UpstreamError
 from gateway.purge import PurgeResult, purge_namespace
-from gateway.state import CONFIG, HOT_PREFIXES, METRICS, POLICY_CACHE, PROMOTION, REPOSITORY, WORKER_POOL
+from gateway.state import (
+    CONFIG,
+    HOT_PREFIXES,
+    METRICS,
+    NEAR_MISS,
+    POLICY_CACHE,
+    PROMOTION,
+    REPOSITORY,
+    WORKER_POOL,
+)
 from policies.isolation import tenant_namespace_id
 from tenancy.hot_prefixes import HotPrefixInfo
 
@@ -105,6 +114,7 @@ async def purge_tenant(request: web.Request) -> web.Response:
         raise shared_cache_conflict(tenant_id, "; then purge erases what it caches from then on.")
     epoch = await repository.invalidate(tenant_id)
     await request.config_dict[POLICY_CACHE].reload()
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
     result, failure = await purge_namespace_of(request, tenant_id, epoch)
     if failure is not None:
         return failure

@@ -195,6 +195,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         min_blocks=config.near_miss_min_blocks,
         max_wait_s=config.near_miss_max_wait_ms / 1000,
         findings=findings,
+        policies=app[POLICY_CACHE],
     )
     pipeline = RequestPipeline(
         pool=pool,

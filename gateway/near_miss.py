@@ -1,36 +1,37 @@
 """Near-miss routing: when the exact KV index finds little, route to a worker holding a similar prompt.
 
 For tenants that enable it (``near_miss_routing``), every routed prompt is remembered per namespace
-key: its tokens and the worker it went to, at once among the namespace's ``recent_per_namespace``
-latest, and its head's embedding in a FAISS inner-product index once computed. When the exact index
-finds fewer than ``min_blocks`` cached blocks on every worker, the latest prompts of the request's own
-namespace keys (its tenant key, plus the global key when its prefix is promoted) are nominated, and,
-unless one of them already shares ``min_blocks``, so are the nearest of the FAISS index (the head is
-embedded by ``gateway.embedding`` in its own thread). Each nominee is verified on tokens
-(``policies.near_miss``): only the blocks the two prompts share exactly, under the same keys, count;
-the request goes to the nominee's worker if that beats the exact route.
-Embeddings never decide reuse, and an index is keyed by namespace *key*, so no search ever sees another
-tenant's prompts (nor this tenant's prompts of an earlier epoch).
+key: its tokens and the worker it went to, among the namespace's ``recent_per_namespace`` latest. When
+the exact index finds fewer than ``min_blocks`` cached blocks on every worker, the latest prompts of the
+request's own namespace keys (its tenant key, plus the global key when its prefix is promoted) are
+nominated. Each nominee is verified on tokens (``policies.near_miss``): only the blocks the two prompts
+share exactly, under the same keys, count; the request goes to the nominee's worker if that beats the
+exact route. An index is keyed by namespace *key*, so no search ever sees another tenant's prompts (nor
+this tenant's prompts of an earlier epoch).
 
-Near miss costs a request at most ``max_wait_s``: the head is embedded on the request's path only when
-the exact index found too little *and* the request's namespaces have remembered prompts to search;
-that embedding jumps the queue of background ones and is waited for at most ``max_wait_s`` (then the
-exact route stands and the vector is still remembered). Every other prompt is remembered in the
-background, after routing.
+FAISS is on only with a wait bound (``max_wait_s`` > 0; default 0): then cold prompts are also embedded
+in the background (``gateway.embedding``, its own thread) into a FAISS inner-product index per key, and
+a request whose latest prompts share too little, in a namespace with vectors to search, waits at most
+``max_wait_s`` for its head's embedding (ahead of queued background ones) and nominates its nearest
+too. Embeddings never decide reuse. Without a bound nothing is embedded and no request waits: measured
+on ``bench.routing``, with the KV-event index on, FAISS found nothing the latest prompts had not, and its
+embeddings took CPU from the workers (docs/routing.md).
 
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
 canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
-they have one (``gateway.near_miss_findings``).
+they have one (``gateway.near_miss_findings``). Invalidate, purge and delete forget a tenant here and
+in Redis (``forget_tenant``); other replicas forget it when their policies show its new epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 import numpy as np
@@ -41,8 +42,18 @@ from gateway.model import ModelRuntime
 from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
 from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
+from policies.isolation import GLOBAL_NAMESPACE_KEY
 from policies.near_miss import SegmentLayout, layout_of, reusable
 from tenancy.policy import TenantPolicy
+
+
+class PolicySource(Protocol):
+    """What near miss reads of the tenant policies in force (``tenancy.cache.PolicyCache``)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def get(self, tenant_id: str) -> TenantPolicy | None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,11 +119,15 @@ class NearMissRouting:
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
         max_pending_embeddings: int = 32,
-        max_wait_s: float = 0.015,
+        max_wait_s: float = 0.0,
         recent_per_namespace: int = 16,
         findings: LocalFindings | RedisFindings | None = None,
+        policies: PolicySource | None = None,
+        sweep_s: float = 1.0,
     ) -> None:
-        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own)."""
+        """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own).
+        ``policies``: the tenant policies in force (``tenancy.cache.PolicyCache``); every ``sweep_s``
+        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -127,7 +142,15 @@ class NearMissRouting:
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
+        # Which (model, key) pairs each tenant's prompts are remembered under, and the tenant epoch
+        # they were remembered at: a purge or invalidation (an epoch bump) drops them all.
+        self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
+        self._epoch_of: dict[str, int] = {}
+        self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
         self._background: set[asyncio.Task] = set()
+        self._policies = policies
+        self._sweep_s = sweep_s
+        self._sweeper: asyncio.Task | None = None
 
     # ---- the routing decision ------------------------------------------------------------------
     async def route(
@@ -140,20 +163,26 @@ class NearMissRouting:
         exact_url: str,
     ) -> NearMissRoute:
         """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
+        self._observe_epoch(tenant)
+        if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
+            return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
-        head = model.decode(token_ids[: self.head_tokens])
+        # The decoded head is for the embedder only: without a wait bound nothing is embedded.
+        head = model.decode(token_ids[: self.head_tokens]) if self.max_wait_s > 0 else ""
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
-            self._remember(model, tokens, segments, exact_url, head)
+            # The exact index covers this prefix, and so every later prompt that shares it: remembered
+            # by tokens among the latest (findings), never embedded (no CPU taken from the workers).
+            self._remember(tenant, model, tokens, segments, exact_url, head, embed=False)
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         # The namespace's latest prompts first, by tokens alone: a burst of similar prompts finds its
-        # first one at once, before that one's embedding (or its blocks) exists.
+        # first one at once, before that one's blocks (or its embedding) exist.
         nominees = self._recent_of(model.model_id, segments)
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
             vector = await self._embed_within_bound(head)
-            late = vector is None
+            late = vector is None and self.max_wait_s > 0
             if vector is not None:
                 found = [entry for _, entry in self._search(model.model_id, segments, vector)]
                 nominees += found
@@ -163,13 +192,15 @@ class NearMissRouting:
         self._record_finding(tenant, model, tokens, segments, nominees, request.block_size)
         chosen = exact_url
         exact_tokens: int | None = None
-        if best is not None and self._worth_moving(
-            request, by_url[exact_url], by_url[best[1].worker_url], best[0]
+        if (
+            best is not None
+            and best[1].worker_url != exact_url  # the exact route goes there anyway: nothing to credit
+            and self._worth_moving(request, by_url[exact_url], by_url[best[1].worker_url], best[0])
         ):
             chosen = best[1].worker_url
             exact_tokens = by_url[chosen].cached_blocks * request.block_size
         self._count("moved" if exact_tokens is not None else "late" if late else "kept")
-        self._remember(model, tokens, segments, chosen, head, vector)
+        self._remember(tenant, model, tokens, segments, chosen, head, vector)
         return NearMissRoute(worker_url=chosen, exact_tokens=exact_tokens)
 
     def _worth_moving(
@@ -187,9 +218,10 @@ class NearMissRouting:
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
     async def _embed_within_bound(self, head: str) -> np.ndarray | None:
-        """The head's embedding, ahead of queued background ones; None if not ready within the bound."""
+        """The head's embedding, ahead of queued background ones; None if not ready within the bound
+        (with no bound, only an embedding already at hand: the request never waits)."""
         vector = self.embedder.cached(head)
-        if vector is not None:
+        if vector is not None or self.max_wait_s <= 0:
             return vector
         started = time.perf_counter()
         job = asyncio.ensure_future(self.embedder.embed(head, urgent=True))
@@ -246,27 +278,35 @@ class NearMissRouting:
     # ---- remembering prompts -------------------------------------------------------------------
     def _remember(
         self,
+        tenant: TenantPolicy,
         model: ModelRuntime,
         tokens: np.ndarray,
         segments: Sequence[NamespaceSegment],
         url: str,
         head: str,
         vector: np.ndarray | None = None,
+        *,
+        embed: bool = True,
     ) -> None:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
-        background, off the request's path; shed when embeddings queue up)."""
+        background, off the request's path; shed when embeddings queue up; not at all without ``embed``)."""
         own_key = bytes(segments[-1].key)
+        if own_key != GLOBAL_NAMESPACE_KEY:  # the shared pool's prompts are no one tenant's to forget
+            self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
+        if self._sweeper is None and self._policies is not None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
         entry = Remembered(token_ids=tokens, layout=layout_of(segments), worker_url=url, own_key=own_key)
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
         recent.append(entry)
-        vector = vector if vector is not None else self.embedder.cached(head)
+        if vector is None and head:
+            vector = self.embedder.cached(head)
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
-        if self.embedder.pending >= self._max_pending:
-            return
+        if not embed or self.max_wait_s <= 0 or self.embedder.pending >= self._max_pending:
+            return  # without a wait bound no request ever searches FAISS: an embedding would be wasted
 
         async def remember() -> None:
             try:
@@ -278,6 +318,8 @@ class NearMissRouting:
         self._spawn(remember())
 
     def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
+        if entry.own_key in self._forgotten:  # embedded after its tenant was purged
+            return
         vectors = self._vectors.get((model_id, entry.own_key))
         if vectors is None:
             vectors = NamespaceVectors(EMBEDDING_DIM, self._capacity)
@@ -289,9 +331,11 @@ class NearMissRouting:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def num_remembered(self) -> int:
-        """Prompts remembered over every namespace (tests, benchmarks)."""
-        return sum(len(vectors) for vectors in self._vectors.values())
+    def num_remembered(self, tenant_id: str | None = None) -> int:
+        """Prompts remembered (embedded) over every namespace, or one tenant's (tests, benchmarks)."""
+        if tenant_id is None:
+            return sum(len(vectors) for vectors in self._vectors.values())
+        return sum(len(self._vectors.get(pair, ())) for pair in self._keys_of.get(tenant_id, ()))
 
     # ---- findings ------------------------------------------------------------------------------
     def _record_finding(
@@ -332,9 +376,51 @@ class NearMissRouting:
         return await self._findings.recent(tenant_id)
 
     async def forget_tenant(self, tenant_id: str) -> None:
+        """Drop everything remembered of a tenant: its prompts, vectors and findings, here and in Redis.
+
+        Called by the admin purge, invalidate and delete; other replicas drop their own copies when
+        they see the tenant's new epoch (``_observe_epoch``)."""
+        self._forget_local(tenant_id)
         await self._findings.forget(tenant_id)
 
+    def _observe_epoch(self, tenant: TenantPolicy) -> None:
+        """A tenant whose epoch grew since its prompts were remembered was purged or invalidated
+        through some replica: its old prompts can never be reused (their keys are gone), so drop them.
+        (A request still carrying an older epoch changes nothing: its key is among the forgotten.)"""
+        known = self._epoch_of.get(tenant.tenant_id)
+        if known is not None and tenant.epoch > known:
+            self._forget_local(tenant.tenant_id)
+        self._epoch_of[tenant.tenant_id] = max(tenant.epoch, known if known is not None else tenant.epoch)
+
+    def _forget_local(self, tenant_id: str) -> None:
+        for pair in self._keys_of.pop(tenant_id, ()):
+            self._recent.pop(pair, None)
+            self._vectors.pop(pair, None)
+            self._forgotten.add(pair[1])
+        self._findings.forget_local(tenant_id)
+
+    def sweep(self) -> None:
+        """Forget the remembered tenants whose epoch moved, who opted out or who were deleted."""
+        if self._policies is None or not self._policies.ready:
+            return
+        for tenant_id in list(self._epoch_of):
+            tenant = self._policies.get(tenant_id)
+            if tenant is None or not tenant.near_miss_routing:  # deleted, or opted out
+                self._forget_local(tenant_id)
+                del self._epoch_of[tenant_id]
+            else:
+                self._observe_epoch(tenant)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            self.sweep()
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         self.embedder.close()

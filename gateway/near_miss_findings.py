@@ -70,6 +70,10 @@ class LocalFindings:
         return [span.to_json() for span in reversed(self._by_tenant.get(tenant_id, ()))]
 
     async def forget(self, tenant_id: str) -> None:
+        self.forget_local(tenant_id)
+
+    def forget_local(self, tenant_id: str) -> None:
+        """Drop this replica's findings of the tenant (the shared store, if any, is left alone)."""
         self._by_tenant.pop(tenant_id, None)
 
     async def close(self) -> None:
@@ -148,8 +152,12 @@ class RedisFindings:
             return await self._local.recent(tenant_id)
         return [DivergingSpan(**json.loads(value)).to_json() for value in values if value is not None]
 
+    def forget_local(self, tenant_id: str) -> None:
+        """Drop this replica's copy only (another replica that took the purge clears Redis)."""
+        self._local.forget_local(tenant_id)
+
     async def forget(self, tenant_id: str) -> None:
-        await self._local.forget(tenant_id)
+        self._local.forget_local(tenant_id)
         try:
             await self._redis.delete(*self._keys(tenant_id))
         except Exception as error:

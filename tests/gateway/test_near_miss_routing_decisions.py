@@ -1,0 +1,126 @@
+"""Near-miss routing decisions on their own (no servers): what is credited, what is embedded, what waits.
+
+The embedder is real; these decisions must not need it (nothing here loads the model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.embedding import PromptEmbedder
+from gateway.metrics import GatewayMetrics
+from gateway.near_miss import NearMissRouting
+from gateway.routing import RouteRequest, WorkerLoad
+from policies.hashing import NamespaceKey, NamespaceSegment
+from tenancy.policy import TenantPolicy
+from tests.gateway.test_gateway_model import runtime  # noqa: F401 - fixture
+
+BLOCK = 16
+URLS = ("http://w1", "http://w2", "http://w3")
+TENANT = TenantPolicy(tenant_id="tn_a", name="a", near_miss_routing=True)
+SEGMENTS = (NamespaceSegment(start_token=0, namespace_id="ns_a", key=NamespaceKey(b"k" * 32)),)
+
+
+def request(cached_blocks: dict[str, int] | None = None, in_flight: dict[str, int] | None = None):
+    cached, busy = cached_blocks or {}, in_flight or {}
+    candidates = [
+        WorkerLoad(
+            url=url,
+            in_flight=busy.get(url, 0),
+            cached_blocks=cached.get(url, 0),
+            cached_weighted_blocks=float(cached.get(url, 0)),
+        )
+        for url in URLS
+    ]
+    return RouteRequest(affinity_key=b"x", candidates=candidates, num_prompt_tokens=160, block_size=BLOCK)
+
+
+@pytest.fixture
+def near_miss():
+    metrics = GatewayMetrics()
+    routing = NearMissRouting(
+        embedder=PromptEmbedder(), metrics=metrics, max_wait_s=0.0, max_pending_embeddings=0
+    )
+    yield routing
+    routing.embedder.close()
+
+
+def moves(routing: NearMissRouting) -> float:
+    return routing._metrics.registry.get_sample_value(
+        "prefixgate_near_miss_routes_total", {"outcome": "moved"}
+    )
+
+
+def prompt_pair(seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 200) for _ in range(6 * BLOCK)]
+    return (
+        shared + [rng.randrange(1, 200) for _ in range(4 * BLOCK)],
+        shared + [rng.randrange(1, 200) for _ in range(4 * BLOCK)],
+    )
+
+
+async def test_a_near_miss_the_exact_route_agrees_with_is_not_credited(near_miss, runtime):  # noqa: F811
+    first, second = prompt_pair(1)
+    await near_miss.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    # The burst's second prompt: the exact index knows nothing yet, and its route is the first's worker
+    # anyway (the router remembered the placement). Near miss changed nothing: no move, no credit.
+    routed = await near_miss.route(TENANT, runtime, second, SEGMENTS, request(), URLS[0])
+    assert routed.worker_url == URLS[0]
+    assert routed.exact_tokens is None  # usage.prefixgate.near_miss_tokens stays 0
+    assert not moves(near_miss)
+    # Sent elsewhere by the exact route, the same prompt is moved to the first's worker and credited.
+    third = first[: 6 * BLOCK] + second[6 * BLOCK :][::-1]
+    routed = await near_miss.route(TENANT, runtime, third, SEGMENTS, request(), URLS[1])
+    assert routed.worker_url == URLS[0] and routed.exact_tokens == 0 and moves(near_miss) == 1
+
+
+async def test_no_request_waits_for_an_embedding_without_a_bound(near_miss, runtime):  # noqa: F811
+    # The default: no wait bound. Even with remembered vectors to search, a request whose head is not
+    # embedded yet is routed at once, and nothing is embedded for it.
+    first, second = prompt_pair(2)
+    await near_miss.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    near_miss._add(runtime.model_id, near_miss._recent_of(runtime.model_id, SEGMENTS)[0], _unit())
+    assert near_miss._searchable(runtime.model_id, SEGMENTS)  # FAISS has something to search
+    unrelated = [t + 1 for t in second]  # shares nothing with the first: the token check finds nothing
+    routed = await near_miss.route(TENANT, runtime, unrelated, SEGMENTS, request(), URLS[2])
+    assert routed.worker_url == URLS[2]
+    registry = near_miss._metrics.registry
+    assert not registry.get_sample_value("prefixgate_near_miss_embed_seconds_count")  # never waited
+    assert not registry.get_sample_value("prefixgate_near_miss_routes_total", {"outcome": "late"})
+    assert near_miss.embedder.pending == 0 and not near_miss._background
+
+
+async def test_a_prompt_the_exact_index_covers_is_not_embedded(runtime):  # noqa: F811
+    routing = NearMissRouting(embedder=PromptEmbedder(), max_wait_s=0.015)  # FAISS on
+    first, _ = prompt_pair(3)
+    # The exact index holds 6 blocks of it on w2: it needs no near miss, and nor does any later prompt
+    # that shares those blocks (the exact index finds them too), so no embedding is spent on it.
+    covered = request(cached_blocks={URLS[1]: 6})
+    await routing.route(TENANT, runtime, first, SEGMENTS, covered, URLS[1])
+    assert not routing._background  # no background embedding was queued
+    assert len(routing._recent_of(runtime.model_id, SEGMENTS)) == 1  # still among the latest (findings)
+    await routing.close()
+
+
+async def test_a_request_prepared_before_its_tenants_purge_leaves_nothing_behind(near_miss, runtime):  # noqa: F811
+    first, second = prompt_pair(4)
+    await near_miss.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    await near_miss.forget_tenant(TENANT.tenant_id)
+    assert near_miss._recent_of(runtime.model_id, SEGMENTS) == []
+    # Still in flight with the old policy (old epoch, old key) when the purge came: routed exactly,
+    # remembered nowhere, no finding.
+    routed = await near_miss.route(TENANT, runtime, second, SEGMENTS, request(), URLS[1])
+    assert routed.worker_url == URLS[1] and routed.exact_tokens is None
+    assert near_miss._recent_of(runtime.model_id, SEGMENTS) == []
+    assert await near_miss.findings(TENANT.tenant_id) == []
+
+
+def _unit():
+    import numpy as np
+
+    from gateway.embedding import EMBEDDING_DIM
+
+    vector = np.ones(EMBEDDING_DIM, dtype=np.float32)
+    return vector / np.linalg.norm(vector)
