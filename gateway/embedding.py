@@ -166,8 +166,10 @@ class _JobThread:
             self._ready.notify_all()
 
 
-def _key(text: str) -> bytes:
-    return blake3.blake3(text.encode()).digest(16)
+def _key(text: str, tenant: str) -> bytes:
+    """The cache key of a head: per tenant, so that no tenant's request is ever faster (a cached
+    vector, or a computation already in flight) because another tenant sent the same text."""
+    return blake3.blake3(tenant.encode() + b"\0" + text.encode()).digest(16)
 
 
 class PromptEmbedder:
@@ -287,9 +289,9 @@ class PromptEmbedder:
         """The unit-norm embedding of ``text`` (call from a worker thread, never the event loop)."""
         return self._load()(text)
 
-    def cached(self, text: str) -> np.ndarray | None:
-        """The embedding of ``text`` if the LRU holds it (no work)."""
-        return self._lookup(_key(text))
+    def cached(self, text: str, *, tenant: str = UNATTRIBUTED) -> np.ndarray | None:
+        """The embedding of ``text`` for ``tenant`` if the LRU holds it (no work)."""
+        return self._lookup(_key(text, tenant))
 
     async def embed(self, text: str, *, urgent: bool = True, tenant: str = UNATTRIBUTED) -> np.ndarray:
         """The unit-norm embedding of ``text``, computed in an embedding thread.
@@ -297,7 +299,7 @@ class PromptEmbedder:
         ``urgent`` embeddings (a request waits for them) have their own thread and never wait for a
         background one; a background one raises ``EmbeddingShed`` if ``tenant`` already has
         ``background_per_tenant`` queued. Within each class, tenants take turns."""
-        key = _key(text)
+        key = _key(text, tenant)
         cached = self._lookup(key)
         if cached is not None:
             return cached

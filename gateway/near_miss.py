@@ -118,7 +118,6 @@ class NearMissRouting:
         top_k: int = 4,
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
-        max_pending_embeddings: int = 32,
         max_wait_s: float = 0.0,
         recent_per_namespace: int = 16,
         findings: LocalFindings | RedisFindings | None = None,
@@ -135,7 +134,6 @@ class NearMissRouting:
         self.top_k = top_k
         self.max_prompt_tokens = max_prompt_tokens
         self._capacity = capacity_per_namespace
-        self._max_pending = max_pending_embeddings
         self.max_wait_s = max_wait_s
         self.recent_per_namespace = recent_per_namespace
         self._cost = KVAwareRouter().cost_tokens
@@ -181,7 +179,7 @@ class NearMissRouting:
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
-            vector = await self._embed_within_bound(head)
+            vector = await self._embed_within_bound(head, tenant.tenant_id)
             late = vector is None and self.max_wait_s > 0
             if vector is not None:
                 found = [entry for _, entry in self._search(model.model_id, segments, vector)]
@@ -217,14 +215,14 @@ class NearMissRouting:
         )
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
-    async def _embed_within_bound(self, head: str) -> np.ndarray | None:
+    async def _embed_within_bound(self, head: str, tenant_id: str) -> np.ndarray | None:
         """The head's embedding, ahead of queued background ones; None if not ready within the bound
         (with no bound, only an embedding already at hand: the request never waits)."""
-        vector = self.embedder.cached(head)
+        vector = self.embedder.cached(head, tenant=tenant_id)
         if vector is not None or self.max_wait_s <= 0:
             return vector
         started = time.perf_counter()
-        job = asyncio.ensure_future(self.embedder.embed(head, urgent=True))
+        job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant_id))
         try:
             return await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
         except TimeoutError:  # the job goes on: its vector lands in the LRU for _remember
@@ -301,17 +299,18 @@ class NearMissRouting:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
         recent.append(entry)
         if vector is None and head:
-            vector = self.embedder.cached(head)
+            vector = self.embedder.cached(head, tenant=tenant.tenant_id)
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
-        if not embed or self.max_wait_s <= 0 or self.embedder.pending >= self._max_pending:
+        if not embed or self.max_wait_s <= 0:
             return  # without a wait bound no request ever searches FAISS: an embedding would be wasted
 
         async def remember() -> None:
             try:
-                embedded = await self.embedder.embed(head, urgent=False)
-            except (asyncio.CancelledError, RuntimeError):  # the embedder closed under it
+                embedded = await self.embedder.embed(head, urgent=False, tenant=tenant.tenant_id)
+            except (asyncio.CancelledError, RuntimeError):  # the embedder closed, or shed (EmbeddingShed):
+                # each tenant has its own bounded background queue, so one tenant's flood sheds only its own
                 return
             self._add(model.model_id, entry, embedded)
 

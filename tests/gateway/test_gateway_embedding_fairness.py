@@ -135,3 +135,24 @@ async def test_a_closed_embedder_sheds_background_work(embedding_cache):  # noqa
     embedder.close()
     with pytest.raises(EmbeddingShed):
         await embedder.embed("after close", urgent=False, tenant="a")
+
+
+async def test_another_tenants_head_is_never_a_cache_hit_or_an_in_flight_join(embedding_cache):  # noqa: F811
+    """The LRU and the in-flight table were keyed by the text alone: a tenant's request waiting for its
+    head's embedding was faster when another tenant had sent the same head (a timing side channel)."""
+    embedder = PromptEmbedder(cache_dir=embedding_cache)
+    try:
+        head = "You are the support assistant of a company whose name only this tenant knows."
+        mine = await asyncio.wait_for(embedder.embed(head, tenant="tn_a"), HANG_GUARD_S)
+        assert embedder.cached(head, tenant="tn_a") is not None
+        assert embedder.cached(head, tenant="tn_b") is None and embedder.cached(head) is None
+        release = hold_background(embedder)
+        queued = asyncio.ensure_future(embedder.embed(head + " v2", urgent=False, tenant="tn_a"))
+        await asyncio.sleep(0)
+        theirs = await asyncio.wait_for(embedder.embed(head + " v2", tenant="tn_b"), HANG_GUARD_S)
+        assert not queued.done()  # tn_b computed its own, it did not join tn_a's queued job
+        release.set()
+        await asyncio.wait_for(queued, HANG_GUARD_S)
+        assert np.allclose(await embedder.embed(head, tenant="tn_b"), mine) and theirs is not None
+    finally:
+        embedder.close()

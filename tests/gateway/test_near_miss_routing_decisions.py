@@ -39,9 +39,7 @@ def request(cached_blocks: dict[str, int] | None = None, in_flight: dict[str, in
 @pytest.fixture
 def near_miss():
     metrics = GatewayMetrics()
-    routing = NearMissRouting(
-        embedder=PromptEmbedder(), metrics=metrics, max_wait_s=0.0, max_pending_embeddings=0
-    )
+    routing = NearMissRouting(embedder=PromptEmbedder(), metrics=metrics, max_wait_s=0.0)
     yield routing
     routing.embedder.close()
 
