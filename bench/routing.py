@@ -8,7 +8,9 @@ device pool and no L2 so that where a prefix lives matters) sit behind one in-pr
 rebuilt for each policy: random, round-robin, consistent hash (rendezvous over the first 4 blocks),
 least-loaded, KV-aware (the KV-event index), KV-aware + near-miss (tenants opted in; the default: the
 namespace's latest prompts checked by tokens, no embedding) and KV-aware + near-miss + FAISS
-(``near_miss_max_wait_ms`` 15: the head embedded and searched on the request path). Each policy gets
+(``near_miss_max_wait_ms`` 15: the head embedded and searched on the request path), and consistent
+hash + near-miss + FAISS (no KV index: near miss is then the only knowledge of where a similar prompt
+went). Each policy gets
 fresh tenants (fresh namespaces) and every worker's cache is purged between policies.
 
 Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`` 4):
@@ -71,6 +73,14 @@ POLICIES: dict[str, dict] = {
     "kv_aware+near_miss+faiss": {
         "router": "kv_aware",
         "kv_index": True,
+        "near_miss": True,
+        "config": {"near_miss_max_wait_ms": 15.0},
+    },
+    # Without KV events (external workers, or kv_index off): the exact route is the consistent hash of the
+    # first 4 blocks, blind to where a similar prompt went; here near miss is the only prefix knowledge.
+    "consistent_hash+near_miss+faiss": {
+        "router": "rendezvous",
+        "kv_index": False,
         "near_miss": True,
         "config": {"near_miss_max_wait_ms": 15.0},
     },
@@ -376,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "near_miss_extra_hit_ratio": round(
             nd["kv_aware+near_miss"]["hit_ratio"] - nd["kv_aware"]["hit_ratio"], 4
+        ),
+        "near_miss_without_kv_index_extra_hit_ratio": round(
+            nd["consistent_hash+near_miss+faiss"]["hit_ratio"] - nd["consistent_hash"]["hit_ratio"], 4
         ),
         "near_miss_vs_kv_ttft_p50": round(
             nd["kv_aware+near_miss"]["ttft_p50_ms"] / nd["kv_aware"]["ttft_p50_ms"], 2
