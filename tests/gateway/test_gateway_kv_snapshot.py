@@ -75,3 +75,29 @@ async def test_a_late_gateway_learns_a_disk_larger_than_the_event_ring(aiohttp_c
         state = index.workers[url]
         assert state.snapshot_cursor is None and state.last_seq >= page["snapshot"]["seq"]
         assert {m for x in on_disk for m in state.blocks[bytes.fromhex(x)].media} == {"L3"}
+
+
+def test_index_rebuilds_from_snapshot_pages_then_follows_the_events_after_them():
+    from gateway.kv_index import PrefixIndex
+
+    index = PrefixIndex()
+    h = [bytes([i]) * 32 for i in range(6)]
+    old = {"seq": 1, "type": "BlockStored", "medium": "L1", "block_hashes": [h[5].hex()], "namespace_id": "t"}
+    index.apply("http://w", {"worker_id": "w", "last_seq": 1, "events": [old]})
+
+    def page(hashes, parent, cursor, reset):
+        event = {"type": "BlockStored", "medium": "L3", "namespace_id": "t", "parent_block_hash": parent}
+        event["block_hashes"] = [x.hex() for x in hashes]
+        snapshot = {"seq": 40, "next": cursor, "num_blocks": 4}
+        return {"worker_id": "w", "last_seq": 45, "reset": reset, "events": [event], "snapshot": snapshot}
+
+    index.apply("http://w", page(h[:2], None, "s:2", reset=True))  # forgets what it knew (h[5])
+    assert index.snapshot_cursor("http://w") == "s:2" and index.position("http://w") == ("w", 40)
+    assert index.match("http://w", [h[5]], ["t"]).num_blocks == 0
+    index.apply("http://w", page(h[2:4], h[1].hex(), None, reset=False))
+    assert index.snapshot_cursor("http://w") is None and index.position("http://w") == ("w", 40)
+    assert index.match("http://w", h[:4], ["t"] * 4).num_blocks == 4
+    assert index.workers["http://w"].write_pressure_blocks == 0  # a state transfer is not new writes
+    removed = {"seq": 41, "type": "BlockRemoved", "medium": "L3", "block_hashes": [h[2].hex()]}
+    index.apply("http://w", {"worker_id": "w", "last_seq": 45, "events": [removed]})
+    assert index.match("http://w", h[:4], ["t"] * 4).num_blocks == 2 and index.position("http://w")[1] == 41
