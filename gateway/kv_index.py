@@ -16,6 +16,7 @@ the ``remote`` weight, until the tier's TTL passes without the block being annou
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -77,10 +78,39 @@ class PrefixIndex:
         self.workers: dict[str, WorkerIndex] = {}
         self.shared: dict[str, dict[bytes, SharedBlock]] = {}  # Redis tier id -> its blocks
         self._clock = clock
+        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[bool]]] = {}  # wait_stored
 
     def drop(self, url: str) -> None:
         """Forget a worker (dead, restarted, or its event stream broke)."""
         self.workers.pop(url, None)
+        for (waited_url, block_hash), _ in list(self._waiters.items()):
+            if waited_url == url:
+                self._wake(url, block_hash, False)
+
+    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float) -> bool:
+        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``."""
+        state = self.workers.get(url)
+        if state is not None and block_hash in state.blocks:
+            return True
+        if timeout_s <= 0:
+            return False
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault((url, block_hash), [])
+        waiters.append(future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if future in waiters:
+                waiters.remove(future)
+            if not waiters:
+                self._waiters.pop((url, block_hash), None)
+
+    def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
+        for future in self._waiters.pop((url, block_hash), []):
+            if not future.done():
+                future.set_result(stored)
 
     def position(self, url: str) -> tuple[str | None, int]:
         """(worker id, last applied sequence number) to resume a worker's event stream from."""
@@ -105,6 +135,9 @@ class PrefixIndex:
                 self._apply_shared(tier, event)
             else:
                 self._apply_event(state, event)
+                if self._waiters and event["type"] == "BlockStored":
+                    for hex_hash in event.get("block_hashes", ()):
+                        self._wake(url, bytes.fromhex(hex_hash), True)
             if snapshot is None:
                 state.last_seq = event["seq"]
         if snapshot is not None:  # a page of the worker's state as of event snapshot["seq"]

@@ -1,5 +1,6 @@
 import math
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -204,3 +205,56 @@ def test_kv_aware_sends_a_cold_prefix_where_it_placed_it_until_the_index_catches
         RouteRequest(affinity_key=b"another-prefix!!", candidates=pressed, num_prompt_tokens=64)
     )
     assert other != first  # a new prefix does see the pressure
+
+
+def test_kv_aware_holds_a_follower_while_its_leader_prefills_the_prefix_there():
+    now = [100.0]
+    router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+
+    def request(**changes) -> RouteRequest:
+        fields = {
+            "affinity_key": b"k" * 16,
+            "candidates": calm,
+            "num_prompt_tokens": 160,
+            "head_block": b"h" * 32,
+        }
+        return RouteRequest(**{**fields, **changes})
+
+    leader, hold = router.choose_and_hold(request())
+    assert hold == 0.0  # the first request of a cold prefix goes at once
+    now[0] += 0.5
+    assert router.choose_and_hold(request()) == (leader, 1.5)  # a follower waits out the rest
+    now[0] += 2.0
+    assert router.choose_and_hold(request()) == (leader, 0.0)  # long placed: evicted, not in prefill
+    now[0] = 100.1
+    assert router.choose_and_hold(request(head_block=None)) == (leader, 0.0)  # nothing to wait on
+    warm = [replace(w, cached_blocks=4, cached_weighted_blocks=4.0) if w.url == leader else w for w in calm]
+    assert router.choose_and_hold(request(candidates=warm)) == (leader, 0.0)  # indexed: no wait
+
+
+async def test_index_wakes_a_waiter_when_the_worker_announces_the_block():
+    import asyncio
+
+    index = PrefixIndex()
+    block = b"b" * 32
+    stored = {
+        "seq": 1,
+        "type": "BlockStored",
+        "medium": "L1",
+        "block_hashes": [block.hex()],
+        "namespace_id": "t",
+    }
+    waiting = asyncio.ensure_future(index.wait_stored(URLS[0], block, 5.0))
+    await asyncio.sleep(0)
+    index.apply(URLS[1], {"worker_id": "w1", "last_seq": 1, "events": [stored]})  # another worker
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 1, "events": [stored]})
+    assert await waiting is True and not index._waiters
+    assert await index.wait_stored(URLS[0], block, 0.0) is True  # already there
+    assert await index.wait_stored(URLS[0], b"c" * 32, 0.01) is False  # never comes: the bound
+    dropped = asyncio.ensure_future(index.wait_stored(URLS[0], b"c" * 32, 5.0))
+    await asyncio.sleep(0)
+    index.drop(URLS[0])  # a dead worker: stop waiting at once
+    assert await dropped is False
