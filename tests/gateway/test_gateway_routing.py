@@ -15,6 +15,7 @@ from gateway.routing import (
     RoundRobinRouter,
     RouteRequest,
     WorkerLoad,
+    _rank,
     cache_key_affinity,
 )
 
@@ -258,3 +259,22 @@ async def test_index_wakes_a_waiter_when_the_worker_announces_the_block():
     await asyncio.sleep(0)
     index.drop(URLS[0])  # a dead worker: stop waiting at once
     assert await dropped is False
+
+
+def test_kv_aware_places_a_cold_prefix_on_the_less_busy_of_its_two_workers():
+    key = b"cold-prefix-key!"
+    first, second = sorted(URLS, key=lambda url: _rank(key, url))[:2]  # its two rendezvous workers
+
+    def placed(in_flight: dict[str, int], pressure: dict[str, float]) -> str:
+        workers = [
+            WorkerLoad(url=u, in_flight=in_flight.get(u, 0), write_pressure_blocks=pressure.get(u, 0.0))
+            for u in URLS
+        ]
+        request = RouteRequest(affinity_key=key, candidates=workers, num_prompt_tokens=64)
+        return KVAwareRouter().choose(request)
+
+    assert placed({}, {}) == first  # equal: the rendezvous order
+    assert placed({}, {first: 500.0}) == second  # the cache that turns over slower
+    assert placed({first: 1}, {second: 500.0}) == first  # one request apart: still by pressure
+    assert placed({first: 2}, {second: 500.0}) == second  # a queue on the first: its prefill avoids it
+    assert placed({second: 3}, {first: 500.0}) == first
