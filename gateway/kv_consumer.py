@@ -3,7 +3,9 @@
 One task per worker long-polls ``GET /v1/kv_events?since=<last applied seq>``: after a broken
 connection it resumes from the last event it applied (the worker replays the rest). A worker whose
 stream fails is dropped from the index at once, so no request is routed for a cache that died with
-it; a restarted worker (new ``worker_id``) is read again from its first event.
+it; a restarted worker (new ``worker_id``) is read again from its first event. A worker whose ring
+no longer holds the events after that answers with a snapshot of its state in pages, asked for one
+after another (``snapshot=<cursor>``), then the events after the snapshot (``worker.kv_events``).
 
 With a ``RedisKVRelay`` (several replicas) only the replica holding a worker's lease polls it and
 publishes what it applies; the others apply the published batches (``gateway.kv_relay``). If Redis
@@ -71,8 +73,11 @@ class KVEventConsumer:
         """One long poll of the worker, applied to the index; None (and the worker dropped) on failure."""
         while True:
             worker_id, since = self._index.position(url)
+            cursor = self._index.snapshot_cursor(url)
             try:
-                batch = await self._pool.client(url).kv_events(since=since, wait_ms=self._wait_ms)
+                batch = await self._pool.client(url).kv_events(
+                    since=since, wait_ms=self._wait_ms, snapshot=cursor
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

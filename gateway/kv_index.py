@@ -4,7 +4,10 @@ For every worker it keeps which block hashes are cached in which tier, with the 
 was stored under, plus the last load the worker reported. A request's prefix hashes (chained from its
 own namespace key, so another tenant's blocks can never match) are looked up block by block from the
 first one; the match stops at the first block the worker lacks. A worker that stops answering its
-event stream, or restarts, is dropped from the index at once.
+event stream, or restarts, is dropped from the index at once. A consumer that fell behind the worker's
+event ring is sent a snapshot of what the worker holds instead (``reset`` and ``snapshot`` in the
+batch): the worker's entry is rebuilt from its pages, then follows the events after the snapshot's
+sequence number.
 
 Blocks in the Redis tier (``remote`` events) live outside any one worker: they are kept per Redis tier
 id, and every worker reporting that id (``remote_tier`` in its event batches) is credited with them at
@@ -13,6 +16,7 @@ the ``remote`` weight, until the tier's TTL passes without the block being annou
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,7 +55,8 @@ class PrefixMatch:
 @dataclass(slots=True)
 class WorkerIndex:
     worker_id: str | None = None  # the worker process the events came from
-    last_seq: int = 0  # last event applied
+    last_seq: int = 0  # last event applied (during a snapshot: the snapshot's, to continue from)
+    snapshot_cursor: str | None = None  # the next page of a snapshot being applied
     write_pressure_blocks: float = 0.0  # L1 blocks stored, decayed (WRITE_PRESSURE_TAU_S) to pressure_at_s
     pressure_at_s: float = 0.0  # monotonic
     caught_up: bool = False  # reached the worker's newest event once: later stores are new writes
@@ -73,15 +78,49 @@ class PrefixIndex:
         self.workers: dict[str, WorkerIndex] = {}
         self.shared: dict[str, dict[bytes, SharedBlock]] = {}  # Redis tier id -> its blocks
         self._clock = clock
+        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[bool]]] = {}  # wait_stored
 
     def drop(self, url: str) -> None:
         """Forget a worker (dead, restarted, or its event stream broke)."""
         self.workers.pop(url, None)
+        for (waited_url, block_hash), _ in list(self._waiters.items()):
+            if waited_url == url:
+                self._wake(url, block_hash, False)
+
+    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float) -> bool:
+        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``."""
+        state = self.workers.get(url)
+        if state is not None and block_hash in state.blocks:
+            return True
+        if timeout_s <= 0:
+            return False
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault((url, block_hash), [])
+        waiters.append(future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if future in waiters:
+                waiters.remove(future)
+            if not waiters:
+                self._waiters.pop((url, block_hash), None)
+
+    def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
+        for future in self._waiters.pop((url, block_hash), []):
+            if not future.done():
+                future.set_result(stored)
 
     def position(self, url: str) -> tuple[str | None, int]:
         """(worker id, last applied sequence number) to resume a worker's event stream from."""
         state = self.workers.get(url)
         return (None, 0) if state is None else (state.worker_id, state.last_seq)
+
+    def snapshot_cursor(self, url: str) -> str | None:
+        """The next snapshot page to ask the worker for (None: no snapshot under way)."""
+        state = self.workers.get(url)
+        return None if state is None else state.snapshot_cursor
 
     def apply(self, url: str, batch: Mapping[str, Any]) -> None:
         """Apply one ``GET /v1/kv_events`` answer of the worker at ``url``."""
@@ -90,13 +129,21 @@ class PrefixIndex:
             state = self.workers[url] = WorkerIndex(worker_id=batch["worker_id"])
         tier = batch.get("remote_tier") or {}
         state.remote_tier = tier.get("id")
+        snapshot = batch.get("snapshot")
         for event in batch["events"]:
             if event.get("medium") == "remote":
                 self._apply_shared(tier, event)
             else:
                 self._apply_event(state, event)
-            state.last_seq = event["seq"]
-        if not batch["events"] and batch.get("reset"):
+                if self._waiters and event["type"] == "BlockStored":
+                    for hex_hash in event.get("block_hashes", ()):
+                        self._wake(url, bytes.fromhex(hex_hash), True)
+            if snapshot is None:
+                state.last_seq = event["seq"]
+        if snapshot is not None:  # a page of the worker's state as of event snapshot["seq"]
+            state.last_seq = int(snapshot["seq"])
+            state.snapshot_cursor = snapshot.get("next")
+        elif not batch["events"] and batch.get("reset"):
             state.last_seq = batch["last_seq"]
         load = batch.get("load") or {}
         state.load = WorkerLoadReport(
@@ -112,7 +159,7 @@ class PrefixIndex:
             )
             state.write_pressure_blocks = self.write_pressure(state) + stored
             state.pressure_at_s = time.monotonic()
-        state.caught_up = state.last_seq >= int(batch.get("last_seq", 0))
+        state.caught_up = state.snapshot_cursor is None and state.last_seq >= int(batch.get("last_seq", 0))
 
     @staticmethod
     def write_pressure(state: WorkerIndex) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class RouteRequest:
     candidates: Sequence[WorkerLoad]  # healthy workers serving the model, never empty
     num_prompt_tokens: int = 0
     block_size: int = 16
+    head_block: bytes | None = None  # hash of the last block of the affinity head (KV-event index on)
 
 
 class Router(Protocol):
@@ -105,8 +107,11 @@ class KVAwareRouter:
     A cold prefix (no worker holds ``min_cached_blocks`` of it: new, or evicted everywhere) will be hit
     only as long as the cache it lands in keeps it, so of its two best rendezvous workers (within the
     load bound) it goes to the one under less *write pressure* (device-pool blocks stored lately, from
-    the KV events): the cache that turns over slower. Two choices, not all workers: every gateway
-    replica sees the same stale pressures for a moment, and two choices per key do not herd new
+    the KV events): the cache that turns over slower. But its whole prompt is to be prefilled, so if
+    one of the two has more than ``cold_in_flight_slack`` requests in flight beyond the other, the
+    less busy one takes it (the power of two choices; the slowest 5 % of KV-aware requests in
+    ``bench.routing_losses`` were such prefills on the busier worker). Two choices, not all workers:
+    every gateway replica sees the same stale pressures for a moment, and two choices per key do not herd new
     prefixes onto one worker while the index lags. Pressures less than one prompt's blocks apart count
     as equal and the rendezvous order decides. A placement is remembered (``remembered_placements``
     keys, per router): until the prefix's blocks reach the index, its next requests follow the first
@@ -117,7 +122,10 @@ class KVAwareRouter:
     min_cached_blocks: int = 1
     fallback: RendezvousRouter = RendezvousRouter()
     remembered_placements: int = 4096
-    _placed: OrderedDict[bytes, str] = field(default_factory=OrderedDict)  # affinity key -> url, LRU
+    cold_in_flight_slack: int = 1  # a cold prefix avoids the busier of its two workers past this gap
+    leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
+    clock: Callable[[], float] = time.monotonic
+    _placed: OrderedDict[bytes, tuple[str, float]] = field(default_factory=OrderedDict)  # key -> (url, at)
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
@@ -125,6 +133,17 @@ class KVAwareRouter:
         return uncached + worker.queued_prefill_tokens + self.running_cost_tokens * running
 
     def choose(self, request: RouteRequest) -> str:
+        return self.choose_and_hold(request)[0]
+
+    def choose_and_hold(self, request: RouteRequest) -> tuple[str, float]:
+        """The worker, and how long the request should wait before it is sent (seconds, 0: none).
+
+        A *follower*, a request whose cold prefix this router placed less than ``leader_hold_s`` ago
+        on the worker it goes to now, most likely arrives while its *leader* (the request placed
+        first) is still being prefilled there: sent at once, it would compute the same prefix a second
+        time beside it. It waits instead until the worker announces the prefix's head block (the
+        caller waits on the KV-event index, ``PrefixIndex.wait_stored``), at most until the leader
+        has been placed ``leader_hold_s``; then it finds the prefix cached."""
         candidates = request.candidates
         if max(worker.cached_blocks for worker in candidates) < self.min_cached_blocks:
             return self.place_cold(request)
@@ -132,30 +151,36 @@ class KVAwareRouter:
         bound = self.fallback.load_bound(candidates)
         best = max(worker.cached_weighted_blocks for worker in candidates)
         holders = [w for w in candidates if w.cached_weighted_blocks >= best and w.in_flight <= bound]
-        return min(
+        best_url = min(
             holders or candidates, key=lambda w: (self.cost_tokens(request, w), _rank(key, w.url), w.url)
         ).url
+        return best_url, 0.0
 
-    def place_cold(self, request: RouteRequest) -> str:
-        """The worker for a prefix no worker holds (see the class docstring)."""
+    def place_cold(self, request: RouteRequest) -> tuple[str, float]:
+        """The worker for a prefix no worker holds, and the hold of a follower (class docstring)."""
         if request.affinity_key is None:
-            return self.fallback.choose(request)
+            return self.fallback.choose(request), 0.0
         key = request.affinity_key
         ranked = sorted(request.candidates, key=lambda worker: _rank(key, worker.url))
         bound = self.fallback.load_bound(ranked)
         eligible = [worker for worker in ranked if worker.in_flight <= bound] or ranked
         placed = self._placed.get(key)
-        if placed is not None and any(worker.url == placed for worker in eligible):
+        now = self.clock()
+        if placed is not None and any(worker.url == placed[0] for worker in eligible):
             self._placed.move_to_end(key)
-            return placed
+            hold = placed[1] + self.leader_hold_s - now if request.head_block is not None else 0.0
+            return placed[0], max(0.0, hold)
         choices = eligible[:2]
-        least = min(worker.write_pressure_blocks for worker in choices)
-        tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt will write
-        url = next(worker.url for worker in choices if worker.write_pressure_blocks <= least + tolerance)
-        self._placed[key] = url
+        if len(choices) == 2 and abs(choices[0].in_flight - choices[1].in_flight) > self.cold_in_flight_slack:
+            url = min(choices, key=lambda worker: worker.in_flight).url  # its whole prefill queues there
+        else:
+            least = min(worker.write_pressure_blocks for worker in choices)
+            tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt writes
+            url = next(w.url for w in choices if w.write_pressure_blocks <= least + tolerance)
+        self._placed[key] = (url, now)
         if len(self._placed) > self.remembered_placements:
             self._placed.popitem(last=False)
-        return url
+        return url, 0.0
 
 
 def _rank(affinity_key: bytes, url: str) -> bytes:

@@ -106,10 +106,13 @@ class WorkerClient:
     async def info(self) -> dict[str, Any]:
         return await self._get("/v1/info")
 
-    async def kv_events(self, *, since: int, wait_ms: int) -> dict[str, Any]:
-        """KV events after ``since`` (long poll of ``wait_ms``; ``worker.kv_events``)."""
+    async def kv_events(self, *, since: int, wait_ms: int, snapshot: str | None = None) -> dict[str, Any]:
+        """KV events after ``since`` (long poll of ``wait_ms``), or the snapshot page named by
+        ``snapshot`` (``worker.kv_events``)."""
         timeout = aiohttp.ClientTimeout(total=wait_ms / 1000 + 5, sock_connect=2)
         params = {"since": str(since), "wait_ms": str(wait_ms)}
+        if snapshot is not None:
+            params["snapshot"] = snapshot
         async with self._session.get(self.url + "/v1/kv_events", params=params, timeout=timeout) as response:
             await _raise_for_worker_error(response)
             return await _read_json(response)

@@ -8,18 +8,23 @@ what its disk holds); ``remote`` events say what this worker wrote to, evicted f
 shared Redis, and the gateway credits them to every worker reporting the same ``remote_tier`` id. Events carry
 consecutive sequence numbers; a consumer asks for everything after the last one it applied
 (``GET /v1/kv_events?since=N``) and so replays what it missed while disconnected. The log is a bounded
-ring: a consumer that fell further behind than the ring gets ``reset: true`` and must drop what it
-knows of this worker (it then rebuilds from new events).
+ring: a consumer that fell further behind than the ring (or that connects first after the ring lost
+its oldest events, e.g. to a large disk announced at start-up) gets ``reset: true`` and a *snapshot*
+instead: the blocks the worker holds now, per tier and namespaced, as ``BlockStored`` events in pages,
+frozen at one sequence number. It drops what it knew of the worker, applies the pages, and then
+continues with the events after that number (a state transfer; docs/routing.md has the protocol).
 
-Written by the engine thread, read by the HTTP handlers: a lock guards the ring.
+Written by the engine thread, read by the HTTP handlers: a lock guards the ring and the state.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from policies.hashing import BlockHash
@@ -49,19 +54,49 @@ class KVEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SnapshotPage:
+    seq: int  # the state is as of this event: continue with ``since=seq`` after the last page
+    events: list[dict[str, Any]]  # BlockStored events (no ``seq``): chains of one tier and namespace
+    next_cursor: str | None  # ask for ``snapshot=<next_cursor>`` next; None: this was the last page
+    num_blocks: int  # blocks in the whole snapshot
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "next": self.next_cursor, "num_blocks": self.num_blocks}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class KVEventBatch:
     events: list[KVEvent]
     last_seq: int  # the newest sequence number the worker has issued
     reset: bool  # the consumer missed events that are gone from the ring: drop this worker's index
+    snapshot: SnapshotPage | None = None  # set by ``read`` when the consumer needs the state instead
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    seq: int  # the log's last sequence number when the state was copied
+    blocks: list[tuple[str, BlockHash, BlockHash | None, str]]  # (medium, hash, parent, namespace id)
+    used_s: float = field(default_factory=time.monotonic)  # last page served (expiry)
+
+
+# A snapshot unread this long is dropped (a consumer asking for it later starts a new one); at most
+# this many are kept (each holds references to the blocks' hashes, not copies).
+SNAPSHOT_TTL_S = 120.0
+MAX_SNAPSHOTS = 4
 
 
 class KVEventLog:
-    """A bounded, thread-safe ring of KV events with consecutive sequence numbers."""
+    """A bounded, thread-safe ring of KV events with consecutive sequence numbers, plus the state the
+    events add up to (every block held, per tier), from which a consumer that fell behind the ring is
+    sent a snapshot."""
 
     def __init__(self, capacity_events: int = 1 << 17) -> None:
         self._events: deque[KVEvent] = deque(maxlen=capacity_events)
         self._last_seq = 0
         self._lock = threading.Lock()
+        # medium -> block hash -> (parent hash, namespace id): what the events so far add up to
+        self._state: dict[str, dict[BlockHash, tuple[BlockHash | None, str]]] = {}
+        self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
 
     @property
     def last_seq(self) -> int:
@@ -71,6 +106,13 @@ class KVEventLog:
         with self._lock:
             self._last_seq += 1
             self._events.append(KVEvent(seq=self._last_seq, kind=kind, medium=medium, **fields))
+            blocks = self._state.setdefault(medium, {})
+            if kind == BLOCK_STORED:
+                blocks[fields["block_hash"]] = (fields["parent_hash"], fields["namespace_id"])
+            elif kind == BLOCK_REMOVED:
+                blocks.pop(fields["block_hash"], None)
+            else:
+                blocks.clear()
 
     def stored(
         self, medium: str, block_hash: BlockHash, parent_hash: BlockHash | None, namespace_id: str
@@ -96,6 +138,83 @@ class KVEventLog:
             start = max(0, seq + 1 - first)
             events = [self._events[i] for i in range(start, min(len(self._events), start + max_events))]
         return KVEventBatch(events=events, last_seq=last, reset=reset)
+
+    def read(self, seq: int, *, cursor: str | None = None, max_events: int = 4096) -> KVEventBatch:
+        """What a consumer that applied everything up to ``seq`` needs next: the events after it, or,
+        when they are gone from the ring, a snapshot's first page (``reset``); with ``cursor`` (from the
+        previous page) the next page of that snapshot (a new snapshot if it expired)."""
+        if cursor is not None:
+            page = self._page(cursor, max_events)
+            if page is not None:
+                return KVEventBatch(events=[], last_seq=self._last_seq, reset=False, snapshot=page)
+        batch = self.since(seq, max_events=max_events) if cursor is None else None
+        if batch is not None and not batch.reset:
+            return batch
+        page = self._page(self._start_snapshot() + ":0", max_events)
+        assert page is not None
+        return KVEventBatch(events=[], last_seq=self._last_seq, reset=True, snapshot=page)
+
+    def _start_snapshot(self) -> str:
+        """Freeze the current state (a copy of each tier's dict under the lock: fast, no new records)."""
+        with self._lock:
+            seq, frozen = self._last_seq, {medium: dict(blocks) for medium, blocks in self._state.items()}
+        blocks = [
+            (medium, block_hash, parent, namespace_id)
+            for medium, held in frozen.items()
+            for block_hash, (parent, namespace_id) in held.items()
+        ]
+        snapshot_id = secrets.token_hex(8)
+        with self._lock:
+            now = time.monotonic()
+            for stale in [k for k, snap in self._snapshots.items() if now - snap.used_s > SNAPSHOT_TTL_S]:
+                del self._snapshots[stale]
+            self._snapshots[snapshot_id] = _Snapshot(seq=seq, blocks=blocks)
+            while len(self._snapshots) > MAX_SNAPSHOTS:
+                self._snapshots.popitem(last=False)
+        return snapshot_id
+
+    def _page(self, cursor: str, max_blocks: int) -> SnapshotPage | None:
+        snapshot_id, _, raw_offset = cursor.partition(":")
+        with self._lock:
+            snap = self._snapshots.get(snapshot_id)
+            if snap is None or not raw_offset.isdigit():
+                return None
+            snap.used_s = time.monotonic()
+        offset = int(raw_offset)
+        chunk = snap.blocks[offset : offset + max(1, max_blocks)]
+        end = offset + len(chunk)
+        done = end >= len(snap.blocks)
+        if done:
+            with self._lock:
+                self._snapshots.pop(snapshot_id, None)
+        return SnapshotPage(
+            seq=snap.seq,
+            events=_chains(chunk),
+            next_cursor=None if done else f"{snapshot_id}:{end}",
+            num_blocks=len(snap.blocks),
+        )
+
+
+def _chains(blocks: list[tuple[str, BlockHash, BlockHash | None, str]]) -> list[dict[str, Any]]:
+    """Snapshot blocks as vLLM-shaped ``BlockStored`` events: consecutive blocks of one tier and
+    namespace whose parents link them become one event (its ``parent_block_hash`` is the first's)."""
+    events: list[dict[str, Any]] = []
+    last: tuple[str, BlockHash, str] | None = None  # (medium, hash, namespace) of the previous block
+    for medium, block_hash, parent, namespace_id in blocks:
+        if last is not None and last == (medium, parent, namespace_id):
+            events[-1]["block_hashes"].append(block_hash.hex())
+        else:
+            events.append(
+                {
+                    "type": BLOCK_STORED,
+                    "medium": medium,
+                    "block_hashes": [block_hash.hex()],
+                    "parent_block_hash": None if parent is None else parent.hex(),
+                    "namespace_id": namespace_id,
+                }
+            )
+        last = (medium, block_hash, namespace_id)
+    return events
 
 
 def attach(log: KVEventLog, index: Any, medium: str) -> None:

@@ -229,26 +229,35 @@ def _int_query(request: web.Request, name: str, default: int, upper: int) -> int
 
 
 async def kv_events(request: web.Request) -> web.Response:
-    """KV events after ``since`` (long-polls up to ``wait_ms`` when there are none) and the load."""
+    """KV events after ``since`` (long-polls up to ``wait_ms`` when there are none) and the load; a
+    snapshot page instead when the events are gone from the ring or ``snapshot`` names the next page
+    (``worker.kv_events``)."""
     engine = request.app[ENGINE]
     since = _int_query(request, "since", 0, 1 << 62)
     wait_ms = _int_query(request, "wait_ms", 0, 30_000)
     max_events = _int_query(request, "max_events", 4096, 65_536) or 1
+    cursor = request.query.get("snapshot")
+    if cursor is not None and (len(cursor) > 64 or not cursor.isascii()):
+        raise BadRequest("'snapshot' must be the cursor of the previous page", param="snapshot")
     deadline = time.monotonic() + wait_ms / 1000
-    batch = engine.kv_events.since(since, max_events=max_events)
-    while not batch.events and not batch.reset and time.monotonic() < deadline:
+    batch = engine.kv_events.since(since, max_events=max_events) if cursor is None else None
+    while batch is not None and not batch.events and not batch.reset and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
         batch = engine.kv_events.since(since, max_events=max_events)
-    return web.json_response(
-        {
-            "worker_id": request.app[WORKER_ID],
-            "last_seq": batch.last_seq,
-            "reset": batch.reset,
-            "events": [event.to_json() for event in batch.events],
-            "load": engine_load(engine),
-            "remote_tier": engine.store.remote_tier() if engine.store is not None else None,
-        }
-    )
+    if batch is None or batch.reset:  # a snapshot page; off the event loop: a new one copies the state
+        batch = await asyncio.to_thread(engine.kv_events.read, since, cursor=cursor, max_events=max_events)
+    body = {
+        "worker_id": request.app[WORKER_ID],
+        "last_seq": batch.last_seq,
+        "reset": batch.reset,
+        "events": [event.to_json() for event in batch.events],
+        "load": engine_load(engine),
+        "remote_tier": engine.store.remote_tier() if engine.store is not None else None,
+    }
+    if batch.snapshot is not None:
+        body["events"] = batch.snapshot.events
+        body["snapshot"] = batch.snapshot.to_json()
+    return web.json_response(body)
 
 
 async def stats(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
 import math
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from gateway.routing import (
     RoundRobinRouter,
     RouteRequest,
     WorkerLoad,
+    _rank,
     cache_key_affinity,
 )
 
@@ -204,3 +206,75 @@ def test_kv_aware_sends_a_cold_prefix_where_it_placed_it_until_the_index_catches
         RouteRequest(affinity_key=b"another-prefix!!", candidates=pressed, num_prompt_tokens=64)
     )
     assert other != first  # a new prefix does see the pressure
+
+
+def test_kv_aware_holds_a_follower_while_its_leader_prefills_the_prefix_there():
+    now = [100.0]
+    router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+
+    def request(**changes) -> RouteRequest:
+        fields = {
+            "affinity_key": b"k" * 16,
+            "candidates": calm,
+            "num_prompt_tokens": 160,
+            "head_block": b"h" * 32,
+        }
+        return RouteRequest(**{**fields, **changes})
+
+    leader, hold = router.choose_and_hold(request())
+    assert hold == 0.0  # the first request of a cold prefix goes at once
+    now[0] += 0.5
+    assert router.choose_and_hold(request()) == (leader, 1.5)  # a follower waits out the rest
+    now[0] += 2.0
+    assert router.choose_and_hold(request()) == (leader, 0.0)  # long placed: evicted, not in prefill
+    now[0] = 100.1
+    assert router.choose_and_hold(request(head_block=None)) == (leader, 0.0)  # nothing to wait on
+    warm = [replace(w, cached_blocks=4, cached_weighted_blocks=4.0) if w.url == leader else w for w in calm]
+    assert router.choose_and_hold(request(candidates=warm)) == (leader, 0.0)  # indexed: no wait
+
+
+async def test_index_wakes_a_waiter_when_the_worker_announces_the_block():
+    import asyncio
+
+    index = PrefixIndex()
+    block = b"b" * 32
+    stored = {
+        "seq": 1,
+        "type": "BlockStored",
+        "medium": "L1",
+        "block_hashes": [block.hex()],
+        "namespace_id": "t",
+    }
+    waiting = asyncio.ensure_future(index.wait_stored(URLS[0], block, 5.0))
+    await asyncio.sleep(0)
+    index.apply(URLS[1], {"worker_id": "w1", "last_seq": 1, "events": [stored]})  # another worker
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    index.apply(URLS[0], {"worker_id": "w0", "last_seq": 1, "events": [stored]})
+    assert await waiting is True and not index._waiters
+    assert await index.wait_stored(URLS[0], block, 0.0) is True  # already there
+    assert await index.wait_stored(URLS[0], b"c" * 32, 0.01) is False  # never comes: the bound
+    dropped = asyncio.ensure_future(index.wait_stored(URLS[0], b"c" * 32, 5.0))
+    await asyncio.sleep(0)
+    index.drop(URLS[0])  # a dead worker: stop waiting at once
+    assert await dropped is False
+
+
+def test_kv_aware_places_a_cold_prefix_on_the_less_busy_of_its_two_workers():
+    key = b"cold-prefix-key!"
+    first, second = sorted(URLS, key=lambda url: _rank(key, url))[:2]  # its two rendezvous workers
+
+    def placed(in_flight: dict[str, int], pressure: dict[str, float]) -> str:
+        workers = [
+            WorkerLoad(url=u, in_flight=in_flight.get(u, 0), write_pressure_blocks=pressure.get(u, 0.0))
+            for u in URLS
+        ]
+        request = RouteRequest(affinity_key=key, candidates=workers, num_prompt_tokens=64)
+        return KVAwareRouter().choose(request)
+
+    assert placed({}, {}) == first  # equal: the rendezvous order
+    assert placed({}, {first: 500.0}) == second  # the cache that turns over slower
+    assert placed({first: 1}, {second: 500.0}) == first  # one request apart: still by pressure
+    assert placed({first: 2}, {second: 500.0}) == second  # a queue on the first: its prefill avoids it
+    assert placed({second: 3}, {first: 500.0}) == first

@@ -101,3 +101,48 @@ async def test_worker_streams_namespaced_block_events_with_replay(worker_url):
         assert {x.hex() for x in expected} <= removed
         status, bad = await events(s, worker_url, since="x")
         assert status == 400 and bad["error"]["param"] == "since"
+
+
+def blocks_of(events: list[dict]) -> list[tuple[str, str, str]]:
+    """(medium, hash hex, namespace) of every block in snapshot events, in order."""
+    return [(e["medium"], x, e["namespace_id"]) for e in events for x in e["block_hashes"]]
+
+
+def test_a_consumer_behind_the_ring_gets_a_paged_snapshot_frozen_at_one_sequence_number():
+    log = KVEventLog(capacity_events=4)
+    for i in range(1, 7):  # a chain of 6 blocks on disk: more than the ring holds
+        log.stored("L3", h(i), None if i == 1 else h(i - 1), "t-a")
+    log.stored("L1", h(7), None, "t-b")
+    log.removed("L3", h(6))
+    assert log.since(0).reset  # replaying the ring cannot rebuild this
+    first = log.read(0, max_events=4)
+    assert first.reset and first.snapshot is not None and first.snapshot.seq == 8 == log.last_seq
+    assert first.snapshot.num_blocks == 6 and first.snapshot.next_cursor is not None
+    # vLLM's shape: one BlockStored per chain of one tier and namespace, the first block's parent
+    assert first.snapshot.events == [
+        {
+            "type": BLOCK_STORED,
+            "medium": "L3",
+            "block_hashes": [h(i).hex() for i in range(1, 5)],
+            "parent_block_hash": None,
+            "namespace_id": "t-a",
+        }
+    ]
+    log.removed("L3", h(2))  # changes while the consumer reads the pages: in the events after seq 8
+    log.stored("L1", h(8), h(7), "t-b")
+    second = log.read(0, cursor=first.snapshot.next_cursor, max_events=4)
+    assert not second.reset and second.snapshot is not None and second.snapshot.next_cursor is None
+    assert second.snapshot.events[0]["parent_block_hash"] == h(4).hex()
+    assert blocks_of(second.snapshot.events) == [("L3", h(5).hex(), "t-a"), ("L1", h(7).hex(), "t-b")]
+    after = log.read(first.snapshot.seq)
+    assert not after.reset and after.snapshot is None
+    assert [(e.seq, e.kind, e.block_hash) for e in after.events] == [
+        (9, BLOCK_REMOVED, h(2)),
+        (10, BLOCK_STORED, h(8)),
+    ]
+    # A finished (or unknown, or expired) snapshot's cursor starts a new one at the current state.
+    log.cleared("L1")
+    again = log.read(0, cursor=first.snapshot.next_cursor, max_events=100)
+    assert again.reset and again.snapshot is not None and again.snapshot.seq == 11
+    assert blocks_of(again.snapshot.events) == [("L3", h(i).hex(), "t-a") for i in (1, 3, 4, 5)]
+    assert log.read(99).snapshot is not None  # a consumer ahead of the log (a restart) gets one too
