@@ -84,7 +84,8 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.prefill_tokens_per_s = 0.0
-        self.kv_events = KVEventLog(config.kv_events_capacity)  # before the store: the disk tier announces the files it finds
+        # Before the store: the disk tier announces the files it finds.
+        self.kv_events = KVEventLog(config.kv_events_capacity)
         self.store = make_store(
             config,
             fingerprint=self.fingerprint,
