@@ -44,6 +44,7 @@ class KVEventConsumer:
         self._tasks: list[asyncio.Task] = []
         self.leading: set[str] = set()  # workers this replica polls itself (holds the relay lease)
         self.num_relayed_batches = 0  # batches applied from other replicas through Redis
+        self.num_malformed_batches = 0  # batches refused (the worker was dropped from the index instead)
 
     def start(self) -> None:
         self._tasks = [
@@ -85,11 +86,25 @@ class KVEventConsumer:
                     log.info("KV events of %s unavailable (%s): dropped from the routing index", url, exc)
                 self._index.drop(url)
                 return None
-            if worker_id is not None and batch["worker_id"] != worker_id and since > 0:
-                self._index.drop(url)  # restarted: read the new process from its first event
-                continue
+            try:
+                if worker_id is not None and batch["worker_id"] != worker_id and since > 0:
+                    self._index.drop(url)  # restarted: read the new process from its first event
+                    continue
+            except (KeyError, TypeError):
+                pass  # malformed: _apply refuses it
+            return batch if self._apply(url, batch) else None
+
+    def _apply(self, url: str, batch: Any) -> bool:
+        """Apply one batch; a malformed one (a broken or hostile worker) drops the worker from the index
+        instead of ending this worker's consumer task, so routing never keeps its stale blocks."""
+        try:
             self._index.apply(url, batch)
-            return batch
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("malformed KV-event batch from %s (%r): dropped from the routing index", url, exc)
+            self._index.drop(url)
+            self.num_malformed_batches += 1
+            return False
+        return True
 
     async def _follow(self, url: str) -> None:
         if self._relay is None:
@@ -126,8 +141,7 @@ class KVEventConsumer:
             for entry_id, batch in entries:
                 if batch.get("dropped"):
                     self._index.drop(url)
-                else:
-                    self._index.apply(url, batch)
+                elif self._apply(url, batch):
                     self.num_relayed_batches += 1
                 last_id = entry_id
             if block_ms is not None or not entries:
