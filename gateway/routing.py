@@ -125,7 +125,9 @@ class KVAwareRouter:
     cold_in_flight_slack: int = 1  # a cold prefix avoids the busier of its two workers past this gap
     leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
     clock: Callable[[], float] = time.monotonic
-    _placed: OrderedDict[bytes, tuple[str, float]] = field(default_factory=OrderedDict)  # key -> (url, at)
+    # key -> (url, placed at, head block): a follower holds only for the same head (a prompt_cache_key
+    # groups different prompts under one key; one of them waited the full hold for a head nobody computed)
+    _placed: OrderedDict[bytes, tuple[str, float, bytes | None]] = field(default_factory=OrderedDict)
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
@@ -168,7 +170,8 @@ class KVAwareRouter:
         now = self.clock()
         if placed is not None and any(worker.url == placed[0] for worker in eligible):
             self._placed.move_to_end(key)
-            hold = placed[1] + self.leader_hold_s - now if request.head_block is not None else 0.0
+            same_head = request.head_block is not None and request.head_block == placed[2]
+            hold = placed[1] + self.leader_hold_s - now if same_head else 0.0
             return placed[0], max(0.0, hold)
         choices = eligible[:2]
         if len(choices) == 2 and abs(choices[0].in_flight - choices[1].in_flight) > self.cold_in_flight_slack:
@@ -177,7 +180,7 @@ class KVAwareRouter:
             least = min(worker.write_pressure_blocks for worker in choices)
             tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt writes
             url = next(w.url for w in choices if w.write_pressure_blocks <= least + tolerance)
-        self._placed[key] = (url, now)
+        self._placed[key] = (url, now, request.head_block)
         if len(self._placed) > self.remembered_placements:
             self._placed.popitem(last=False)
         return url, 0.0

@@ -234,6 +234,23 @@ def test_kv_aware_holds_a_follower_while_its_leader_prefills_the_prefix_there():
     assert router.choose_and_hold(request(candidates=warm)) == (leader, 0.0)  # indexed: no wait
 
 
+def test_a_different_prompt_under_the_same_affinity_key_never_holds():
+    """A prompt_cache_key groups different prompts under one affinity key (and for `shared` tenants the
+    key is the global namespace's): a second prompt waited the whole hold for its own head block, which
+    no request was computing."""
+    now = [100.0]
+    router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+
+    def request(head: bytes) -> RouteRequest:
+        return RouteRequest(affinity_key=b"k" * 16, candidates=calm, num_prompt_tokens=160, head_block=head)
+
+    leader, _ = router.choose_and_hold(request(b"a" * 32))
+    now[0] += 0.5
+    assert router.choose_and_hold(request(b"b" * 32)) == (leader, 0.0)  # same worker (affinity), no hold
+    assert router.choose_and_hold(request(b"a" * 32)) == (leader, 1.5)  # the leader's own head still holds
+
+
 async def test_index_wakes_a_waiter_when_the_worker_announces_the_block():
     import asyncio
 
