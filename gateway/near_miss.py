@@ -180,6 +180,8 @@ class NearMissRouting:
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
             vector = await self._embed_within_bound(head, tenant.tenant_id)
+            if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
+                return NearMissRoute(worker_url=exact_url, exact_tokens=None)
             late = vector is None and self.max_wait_s > 0
             if vector is not None:
                 found = [entry for _, entry in self._search(model.model_id, segments, vector)]
@@ -289,6 +291,8 @@ class NearMissRouting:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
         background, off the request's path; shed when embeddings queue up; not at all without ``embed``)."""
         own_key = bytes(segments[-1].key)
+        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+            return
         if own_key != GLOBAL_NAMESPACE_KEY:  # the shared pool's prompts are no one tenant's to forget
             self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
         if self._sweeper is None and self._policies is not None:
@@ -348,6 +352,8 @@ class NearMissRouting:
     ) -> None:
         """Keep where the request parted from its closest prompt of the same namespace (one per request)."""
         own_key, layout = bytes(segments[-1].key), layout_of(segments)
+        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+            return
         closest: tuple[int, Remembered] | None = None
         for entry in nominees:
             if entry.own_key == own_key:

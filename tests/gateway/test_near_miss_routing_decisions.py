@@ -4,11 +4,13 @@ The embedder is real; these decisions must not need it (nothing here loads the m
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import numpy as np
 import pytest
 
-from gateway.embedding import PromptEmbedder
+from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 from gateway.metrics import GatewayMetrics
 from gateway.near_miss import NearMissRouting
 from gateway.routing import RouteRequest, WorkerLoad
@@ -122,3 +124,46 @@ def _unit():
 
     vector = np.ones(EMBEDDING_DIM, dtype=np.float32)
     return vector / np.linalg.norm(vector)
+
+
+class GatedEmbedder:
+    """Stands in for the embedder only to hold a request inside its embedding wait (a timing no real
+    model gives on demand): urgent embeddings wait for ``gate``."""
+
+    def __init__(self) -> None:
+        self.gate, self.entered = asyncio.Event(), asyncio.Event()
+        self.gate.set()
+
+    def cached(self, head: str, *, tenant: str = "") -> None:
+        return None
+
+    async def embed(self, head: str, *, urgent: bool = True, tenant: str = "") -> np.ndarray:
+        if urgent:
+            self.entered.set()
+            await self.gate.wait()
+        return np.full(EMBEDDING_DIM, 1 / np.sqrt(EMBEDDING_DIM), dtype=np.float32)
+
+    def close(self) -> None:
+        return None
+
+
+async def test_a_tenant_purged_while_its_request_awaits_an_embedding_is_not_remembered_again(runtime):  # noqa: F811
+    """The purge check ran only before the embedding wait: the request then put its prompt back into the
+    latest prompts and a finding holding the purged prompt's text into the tenant's findings."""
+    embedder = GatedEmbedder()
+    routing = NearMissRouting(embedder=embedder, max_wait_s=5.0)  # type: ignore[arg-type]
+    first = list(range(1, 97))
+    second = list(range(1, 17)) + list(range(500, 580))
+    await routing.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    while not routing.num_remembered(TENANT.tenant_id):
+        await asyncio.sleep(0.01)
+    embedder.gate.clear()
+    waiting = asyncio.create_task(routing.route(TENANT, runtime, second, SEGMENTS, request(), URLS[0]))
+    await asyncio.wait_for(embedder.entered.wait(), 30)
+    await routing.forget_tenant(TENANT.tenant_id)  # the admin purges while the request waits
+    embedder.gate.set()
+    assert (await asyncio.wait_for(waiting, 30)).worker_url == URLS[0]
+    await asyncio.sleep(0.05)  # any background remembering
+    assert routing.num_remembered(TENANT.tenant_id) == 0
+    assert not routing._recent and not routing._keys_of and await routing.findings(TENANT.tenant_id) == []
+    await routing.close()
