@@ -5,12 +5,14 @@
       ▲                                                   ▲                                │ one probe
       └───────────────────── success ◀────────────────────┴──────── failure ◀──────────────┘
 
-A failure is what says the URL cannot take work: a refused connection, a connect timeout, no answer
-before the request's timeout, or a connection dropped before the answer began. Any HTTP answer (a 5xx
-included) is a success: the server is there and said something. An open URL is skipped in the
-rendezvous order until its cool-down ends; then one request at a time may try it (the half-open
-probe; another is let through if that one has not reported within ``probe_window_s``). The
-cool-down is ``cooldown_s × U(1, 1 + jitter)`` so that gateway replicas do not probe in lock-step.
+A failure is what says the URL cannot take work whatever the request: a refused connection, a connect
+timeout, or a probe not answered within its timeout. A tenant request that was sent and then timed out or
+lost its connection is not one (a long generation is not a sick URL, and one tenant must not open a URL
+for all); a hung server is found by the probe. Any HTTP answer (a 5xx included) is a success: the server
+is there and said something. An open URL is skipped in the rendezvous order until its cool-down ends;
+then one request at a time may try it (the half-open probe; another is let through if that one has not
+reported within ``probe_window_s``). The cool-down is ``cooldown_s × U(1, 1 + jitter)`` so that
+gateway replicas do not probe in lock-step.
 When every URL is open the request tries them anyway (in rendezvous order): an outage of the whole
 upstream is not made worse by refusing without asking.
 

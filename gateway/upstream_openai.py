@@ -192,7 +192,10 @@ class OpenAIUpstream:
         self, url: str, path: str, data: bytes, x_request_id: str
     ) -> aiohttp.ClientResponse | None:
         """The response of ``url``, or None when the request never reached it (refused, connect timeout:
-        the next URL may take it). Failures count against the URL's circuit breaker."""
+        the next URL may take it). Only those count against the URL's circuit breaker: they say the URL
+        cannot take work whatever the request. A request that was sent and then timed out or lost its
+        connection may be the request's own doing (one tenant's long generation); counting it would let
+        that tenant open the URL for every tenant. A hung server is the active probe's to find."""
         try:
             response = await self._session.post(
                 url + path, data=data, headers=self._headers(x_request_id), timeout=self._timeout
@@ -201,13 +204,11 @@ class OpenAIUpstream:
             self._failed(url, type(exc).__name__)
             log.warning("upstream %s: %s did not take the connection (%s)", self.name, _label(url), exc)
             return None
-        except aiohttp.ClientError as exc:
-            self._failed(url, type(exc).__name__)
+        except aiohttp.ClientError as exc:  # sent (at least in part), then the connection was lost
             raise UpstreamError(
                 f"upstream '{self.name}' connection lost: {type(exc).__name__}", code="upstream_disconnected"
             ) from exc
         except TimeoutError as exc:  # connected, sent, and no answer before the request's timeout
-            self._failed(url, "timeout")
             raise Unavailable(
                 f"upstream '{self.name}' did not answer in time", code="upstream_timeout"
             ) from exc

@@ -2,7 +2,8 @@
 must not slow every request routed to it, and one tenant's hanging streams must not hold the
 connections another tenant needs.
 
-The bad URLs are real kernel sockets, no scripted server: a listening socket whose accept queue is full
+The bad URLs are real kernel sockets, no scripted server (the one aiohttp server below is a healthy URL
+that takes long over long generations): a listening socket whose accept queue is full
 drops new SYNs (a connect timeout, as a black-holed host), and one that is listening but never reads
 accepts the TCP connection and never answers (a hung server). The good URL is a real prefixgate gateway
 in front of a real worker, behind the recording proxy of test_gateway_upstream_openai; the client is the
@@ -18,13 +19,16 @@ from dataclasses import replace
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.config import OpenAIUpstreamConfig
+from gateway.errors import Unavailable
 from gateway.state import CONFIG, UPSTREAMS
 from gateway.up import free_port
 from gateway.upstream_health import OPEN
+from gateway.upstream_openai import OpenAIUpstream
 from tests.gateway.conftest import ADMIN, create_tenant
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
 from tests.gateway.test_gateway_upstream_openai import (
@@ -87,28 +91,96 @@ async def test_a_url_that_times_out_connecting_fails_over_and_is_skipped_once_it
     assert _gauge("pg-upstream", dead, 0.0) in metrics and _gauge("pg-upstream", good, 1.0) in metrics
 
 
-async def test_a_hung_url_costs_only_the_requests_that_open_its_breaker(
+async def test_a_hung_url_is_opened_by_the_probe_not_by_the_requests_that_time_out_there(
     aiohttp_client, aiohttp_server, gateway, sqlite_template, tmp_path
 ):
+    """A request sent to a hung URL times out (it may have run there: not retried elsewhere), yet does
+    not count against the URL: from the request alone a hung server and a long generation look the same.
+    The probe (``GET /models`` within ``connect_timeout_s``, here called as ``probe_forever`` does) opens
+    it, and no request goes there afterwards."""
     with hung_server() as hung:
         client, sdk, recorder, _ = await _front(
             aiohttp_client, aiohttp_server, gateway, sqlite_template, tmp_path, hung,
-            timeout_s=2, down_s=600, failure_threshold=2,
+            timeout_s=1, connect_timeout_s=0.3, down_s=600, failure_threshold=2,
         )  # fmt: skip
-        codes = []
-        for _ in range(NUM_REQUESTS):
+        upstream = client.app[UPSTREAMS].upstreams[0]
+
+        async def ask() -> object:
             try:
                 await sdk.chat.completions.create(
                     model=PUBLIC_MODEL, messages=messages(unique_system_prompt()), max_tokens=1
                 )
-                codes.append(200)
-            except openai.APIStatusError as exc:  # it may have run there: not retried elsewhere
-                codes.append((exc.status_code, exc.body["code"]))
+                return 200
+            except openai.APIStatusError as exc:
+                return (exc.status_code, exc.body["code"])
+
+        codes = []
+        while codes.count((503, "upstream_timeout")) < 3:  # more than failure_threshold of them
+            assert len(codes) < NUM_REQUESTS, codes
+            codes.append(await ask())
+        assert upstream.health.snapshot()[hung]["consecutive_failures"] == 0
+        assert upstream.health.state(hung) == "closed"
+        for _ in range(2):
+            assert not await upstream.probe(hung)
+        served = len(recorder.bodies())
+        after = [await ask() for _ in range(10)]
         await sdk.close()
-        health = client.app[UPSTREAMS].upstreams[0].health.snapshot()
-    assert codes.count((503, "upstream_timeout")) == 2, codes  # the two that opened the breaker
-    assert codes.count(200) == NUM_REQUESTS - 2 == len(recorder.bodies())
-    assert health[hung]["state"] == OPEN and health[hung]["last_error"] == "timeout"
+        health = upstream.health.snapshot()
+    assert set(codes) <= {200, (503, "upstream_timeout")}
+    assert after == [200] * 10 and len(recorder.bodies()) == served + 10
+    assert health[hung]["state"] == OPEN and health[hung]["last_error"] == "probe: TimeoutError"
+
+
+def _slow_for_long_generations(name: str, hits: list[tuple[str, int]]) -> web.Application:
+    """An upstream that answers short requests at once and works 5 s on a long generation."""
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        hits.append((name, body["max_tokens"]))
+        if body["max_tokens"] > 1000:
+            await asyncio.sleep(5)
+        message = {"role": "assistant", "content": "hi"}
+        return web.json_response({
+            "id": "x", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        })  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_one_tenants_long_generations_do_not_open_the_url_for_other_tenants(aiohttp_server):
+    """Tenant A's non-streamed generations outlive ``timeout_s`` on a healthy URL: A gets its timeouts,
+    but the URL's breaker stays closed, so tenant B's next request still goes to its rendezvous URL
+    (where its prefix cache is) and is answered there."""
+    hits: list[tuple[str, int]] = []
+    first = await aiohttp_server(_slow_for_long_generations("first", hits))
+    second = await aiohttp_server(_slow_for_long_generations("second", hits))
+    urls = [str(first.make_url("/v1")), str(second.make_url("/v1"))]
+    config = OpenAIUpstreamConfig(
+        name="up", urls=tuple(urls), models=(("m", "m"),), timeout_s=0.5, failure_threshold=2,
+        probe_interval_s=0,
+    )  # fmt: skip
+
+    def body(max_tokens: int) -> dict[str, object]:
+        return {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens}
+
+    async with aiohttp.ClientSession() as session:
+        upstream = OpenAIUpstream(config, session)
+        for _ in range(3):  # tenant A, more than failure_threshold times
+            with pytest.raises(Unavailable) as caught:
+                async with upstream._open(urls, "/chat/completions", body(100000), "tenant-a"):
+                    pass
+            assert caught.value.code == "upstream_timeout"
+        assert hits == [("first", 100000)] * 3  # each ran there: not retried on the other URL
+        assert upstream.health.snapshot()[urls[0]]["consecutive_failures"] == 0
+        hits.clear()
+        async with upstream._open(urls, "/chat/completions", body(5), "tenant-b") as response:
+            assert response.status == 200
+    assert hits == [("first", 5)]
+    assert upstream.health.state(urls[0]) == "closed"
 
 
 async def test_when_every_url_is_open_they_are_tried_anyway(
