@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -94,6 +95,8 @@ def _check(name: str, value: Any) -> Any:
     if name == "name":
         if not isinstance(value, str) or not value.strip() or len(value) > 200:
             raise PolicyError("'name' must be a non-empty string of at most 200 characters", name)
+        if any(unicodedata.category(char) == "Cc" for char in value):  # escapes reach CLIs, logs, reports
+            raise PolicyError("'name' may not contain control characters", name)
         return value.strip()
     if name == "isolation":
         if not isinstance(value, str) or value not in ISOLATION_LEVELS:

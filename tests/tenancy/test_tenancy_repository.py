@@ -49,6 +49,8 @@ async def test_duplicate_name_conflicts(repo):
     "body",
     [
         {"name": ""},
+        {"name": "acme\x1b[2J"},  # control characters: terminal escapes in the admin CLI, logs and reports
+        {"name": "ac\u0085me"},
         {"name": "x", "isolation": "private"},
         {"name": "x", "reserved_blocks": -1},
         {"name": "x", "reserved_blocks": True},
