@@ -77,11 +77,16 @@ class _Snapshot:
     seq: int  # the log's last sequence number when the state was copied
     blocks: list[tuple[str, BlockHash, BlockHash | None, str]]  # (medium, hash, parent, namespace id)
     used_s: float = field(default_factory=time.monotonic)  # last page served (expiry)
+    readers: int = 1  # consumers handed this snapshot (it is shared while no event came after it)
+    finished: int = 0  # last pages served: dropped once every reader has read its last page
 
 
 # A snapshot unread this long is dropped (a consumer asking for it later starts a new one); at most
-# this many are kept (each holds references to the blocks' hashes, not copies).
+# this many are kept (each holds references to the blocks' hashes, not copies). A snapshot paged within
+# SNAPSHOT_ACTIVE_S is never evicted for a new one: at the cap with every snapshot in use, a consumer
+# needing one shares the newest (older than the log, so it may need another after it; never a refusal).
 SNAPSHOT_TTL_S = 120.0
+SNAPSHOT_ACTIVE_S = 15.0
 MAX_SNAPSHOTS = 4
 
 
@@ -155,23 +160,48 @@ class KVEventLog:
         return KVEventBatch(events=[], last_seq=self._last_seq, reset=True, snapshot=page)
 
     def _start_snapshot(self) -> str:
-        """Freeze the current state (a copy of each tier's dict under the lock: fast, no new records)."""
+        """A snapshot for a consumer that needs the state: the newest one when no event came after it
+        (shared, no copy), else a new one, freezing the state (a copy of each tier's dict under the lock:
+        fast, no new records). Never evicts a snapshot paged within ``SNAPSHOT_ACTIVE_S``: at the cap
+        with all of them in use, the newest is shared even though it is older than the log."""
         with self._lock:
+            shared = self._share(min_seq=self._last_seq)
+            if shared is not None:
+                return shared
             seq, frozen = self._last_seq, {medium: dict(blocks) for medium, blocks in self._state.items()}
         blocks = [
             (medium, block_hash, parent, namespace_id)
             for medium, held in frozen.items()
             for block_hash, (parent, namespace_id) in held.items()
         ]
-        snapshot_id = secrets.token_hex(8)
         with self._lock:
             now = time.monotonic()
             for stale in [k for k, snap in self._snapshots.items() if now - snap.used_s > SNAPSHOT_TTL_S]:
                 del self._snapshots[stale]
+            shared = self._share(min_seq=seq)  # another thread froze the same or a newer state meanwhile
+            if shared is not None:
+                return shared
+            while len(self._snapshots) >= MAX_SNAPSHOTS:
+                idle = min(self._snapshots, key=lambda k: self._snapshots[k].used_s)
+                if now - self._snapshots[idle].used_s <= SNAPSHOT_ACTIVE_S:
+                    shared = self._share(min_seq=0)
+                    assert shared is not None
+                    return shared
+                del self._snapshots[idle]
+            snapshot_id = secrets.token_hex(8)
             self._snapshots[snapshot_id] = _Snapshot(seq=seq, blocks=blocks)
-            while len(self._snapshots) > MAX_SNAPSHOTS:
-                self._snapshots.popitem(last=False)
         return snapshot_id
+
+    def _share(self, *, min_seq: int) -> str | None:
+        """The newest snapshot if it is as of ``min_seq`` or later, one more reader counted (under the
+        lock)."""
+        newest = max(self._snapshots, key=lambda k: self._snapshots[k].seq, default=None)
+        if newest is None or self._snapshots[newest].seq < min_seq:
+            return None
+        snap = self._snapshots[newest]
+        snap.readers += 1
+        snap.used_s = time.monotonic()
+        return newest
 
     def _page(self, cursor: str, max_blocks: int) -> SnapshotPage | None:
         snapshot_id, _, raw_offset = cursor.partition(":")
@@ -186,7 +216,9 @@ class KVEventLog:
         done = end >= len(snap.blocks)
         if done:
             with self._lock:
-                self._snapshots.pop(snapshot_id, None)
+                snap.finished += 1
+                if snap.finished >= snap.readers:
+                    self._snapshots.pop(snapshot_id, None)
         return SnapshotPage(
             seq=snap.seq,
             events=_chains(chunk),
