@@ -18,7 +18,8 @@ from tests.gateway.test_gateway_billing import wait_records
 from tests.gateway.test_gateway_upstream_openai import PUBLIC_MODEL, front_app, messages
 
 
-def _chunk(content: str, **extra) -> bytes:
+def sse_chunk(content: str, **extra) -> bytes:
+    """One ``chat.completion.chunk`` SSE event carrying ``content``."""
     body = {
         "id": "up-1",
         "object": "chat.completion.chunk",
@@ -46,7 +47,7 @@ def scripted_server(mode: str) -> web.Application:
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await response.write(_chunk("Hel"))
+        await response.write(sse_chunk("Hel"))
         await asyncio.sleep(0.05)
         if mode == "error_event":
             error = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
@@ -56,7 +57,7 @@ def scripted_server(mode: str) -> web.Application:
             request.transport.close()
             return response
         else:  # "no_usage": a whole stream, no usage anywhere
-            await response.write(_chunk("lo"))
+            await response.write(sse_chunk("lo"))
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -66,13 +67,20 @@ def scripted_server(mode: str) -> web.Application:
     return app
 
 
-async def _front_sdk(aiohttp_client, aiohttp_server, sqlite_template, tmp_path, mode: str):
-    server = await aiohttp_server(scripted_server(mode))
-    client = await aiohttp_client(
-        front_app(sqlite_template, tmp_path / "front", str(server.make_url("/v1")), api_key="k")
-    )
+async def front_sdk(
+    aiohttp_client, aiohttp_server, sqlite_template, tmp_path, upstream: web.Application, **front
+):
+    """A front gateway whose ``openai`` upstream is ``upstream`` (``front`` goes to ``front_app``), and the
+    SDK as a tenant of it."""
+    server = await aiohttp_server(upstream)
+    app = front_app(sqlite_template, tmp_path / "front", str(server.make_url("/v1")), api_key="k", **front)
+    client = await aiohttp_client(app)
     key = (await create_tenant(client, name="acme"))["api_key"]
     return client, AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+
+
+async def _front_sdk(aiohttp_client, aiohttp_server, sqlite_template, tmp_path, mode: str):
+    return await front_sdk(aiohttp_client, aiohttp_server, sqlite_template, tmp_path, scripted_server(mode))
 
 
 @pytest.mark.parametrize("mode", ["error_event", "drop"])

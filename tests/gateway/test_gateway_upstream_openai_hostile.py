@@ -13,12 +13,11 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
-from openai import AsyncOpenAI
 
 from gateway import upstream_openai
-from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_billing import wait_records
-from tests.gateway.test_gateway_upstream_openai import PUBLIC_MODEL, front_app, messages
+from tests.gateway.test_gateway_upstream_openai import PUBLIC_MODEL, messages
+from tests.gateway.test_gateway_upstream_openai_faults import front_sdk, sse_chunk
 
 ANSWER = {
     "id": "up-1",
@@ -33,18 +32,6 @@ NONSENSE_USAGE = {
     "completion_tokens": -4,
     "prompt_tokens_details": {"cached_tokens": 64},
 }
-
-
-def _chunk(content: str, **extra) -> bytes:
-    body = {
-        "id": "up-1",
-        "object": "chat.completion.chunk",
-        "created": 0,
-        "model": "m",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
-        **extra,
-    }
-    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def hostile_server(mode: str) -> web.Application:
@@ -67,10 +54,10 @@ def hostile_server(mode: str) -> web.Application:
         elif mode == "long_line":
             await response.write(b"data: " + b"x" * (1 << 20) + b"\n\n")
         elif mode == "bad_choices":
-            await response.write(_chunk("Hel"))
+            await response.write(sse_chunk("Hel"))
             await response.write(b"data: " + orjson.dumps({"choices": "everything"}) + b"\n\n")
         elif mode == "nonsense_usage":
-            await response.write(_chunk("Hel"))
+            await response.write(sse_chunk("Hel"))
             usage_only = {
                 "id": "up-1",
                 "object": "chat.completion.chunk",
@@ -88,13 +75,10 @@ def hostile_server(mode: str) -> web.Application:
 
 
 async def _front(aiohttp_client, aiohttp_server, sqlite_template, tmp_path, mode: str):
-    server = await aiohttp_server(hostile_server(mode))
-    app = front_app(
-        sqlite_template, tmp_path / "front", str(server.make_url("/v1")), api_key="k", flavour="none"
+    upstream = hostile_server(mode)
+    return await front_sdk(
+        aiohttp_client, aiohttp_server, sqlite_template, tmp_path, upstream, flavour="none"
     )
-    client = await aiohttp_client(app)
-    key = (await create_tenant(client, name="acme"))["api_key"]
-    return client, AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
 
 
 @pytest.mark.parametrize("mode", ["not_json", "json_list", "huge"])

@@ -184,37 +184,11 @@ async def test_redis_stopping_mid_run_only_causes_misses(make_engine, private_re
 
 
 def test_redis_quota_partition_protects_a_dedicated_namespace(kv_redis_url):
-    import torch
-
-    from worker.tiers.entry import BlockRecord
-    from worker.tiers.host import DemotedBlock
-    from worker.tiers.remote import RemoteTier
-
-    shape = (2, 2, 16, 2, 16)
-    tier = RemoteTier(
-        kv_redis_url,
-        fingerprint=b"quota-test" * 4,
-        codec="none",
-        block_shape=shape,
-        dtype=torch.float32,
-        budget_bytes=20 * 9000,
-        ttl_s=60,
-        timeout_s=1.0,
-    )
+    tier = _remote_tier(kv_redis_url, b"quota-test" * 4, budget_bytes=20 * 9000)
     tier.set_reservation("t-dedicated", 10 * 9000)
 
-    def blocks(ns: str, first: int, count: int) -> list[DemotedBlock]:
-        return [
-            DemotedBlock(
-                record=BlockRecord(
-                    block_hash=bytes([i % 256, i // 256]) * 16, parent_hash=None, token_ids=tuple(range(16))
-                ),
-                namespace_id=ns,
-                position=0,
-                data=torch.full(shape, float(i)),
-            )
-            for i in range(first, first + count)
-        ]
+    def blocks(ns: str, first: int, count: int):
+        return [_demoted(ns, i) for i in range(first, first + count)]
 
     mine = blocks("t-dedicated", 0, 8)
     tier.put(mine)
