@@ -73,6 +73,8 @@ async def _json(request: web.Request) -> Any:
         raise BadRequest(f"malformed JSON: {exc.msg}", code="invalid_json") from None
     except ValueError:  # not UTF-8 (UnicodeDecodeError)
         raise BadRequest("the body is not UTF-8 JSON", code="invalid_json") from None
+    except RecursionError:  # json.loads recurses once per nesting level
+        raise BadRequest("malformed JSON: nested too deeply", code="invalid_json") from None
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -93,6 +93,15 @@ async def test_bad_input_gets_an_openai_style_400(worker_url, payload, message):
     assert err["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path", ["/v1/generate", "/v1/abort", "/v1/purge", "/v1/tokenize", "/v1/detokenize"])
+async def test_deeply_nested_json_is_a_400_not_a_500(worker_url, path):
+    deep = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError, not JSONDecodeError
+    async with aiohttp.ClientSession() as s:
+        status, err = await post(s, f"{worker_url}{path}", deep)
+    assert status == 400
+    assert err["error"]["code"] == "invalid_json" and "nested" in err["error"]["message"]
+
+
 async def test_unknown_route_is_a_json_404(worker_url):
     async with aiohttp.ClientSession() as s, s.get(f"{worker_url}/v1/nope") as r:
         assert r.status == 404
