@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,10 @@ from worker.sequence import SamplingParams
 
 MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_NAMESPACE_ID_CHARS = 128
+# A namespace id names a directory of the disk tier and sits inside Redis keys and their purge pattern:
+# no path separators or dot names, no glob characters, no ':' (the key separator), bounded length.
+_NAMESPACE_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAMESPACE_ID_CHARS - 1}}}")
 
 
 class BadRequest(ValueError):
@@ -51,6 +56,17 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return _require(body, name, kind)
 
 
+def parse_namespace_id(value: Any) -> str:
+    """A namespace id as sent by the gateway (``global``, ``promoted``, ``t-<hex>``), or a BadRequest."""
+    if not isinstance(value, str) or _NAMESPACE_ID.fullmatch(value) is None:
+        raise BadRequest(
+            f"'namespace_id' must be 1 to {MAX_NAMESPACE_ID_CHARS} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            param="namespace_id",
+        )
+    return value
+
+
 def parse_segments(raw: Any, block_size: int) -> list[NamespaceSegment]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'namespace' must be a non-empty list of segments", param="namespace")
@@ -68,7 +84,7 @@ def parse_segments(raw: Any, block_size: int) -> list[NamespaceSegment]:
         segments.append(
             NamespaceSegment(
                 start_token=_require(item, "start_token", int),
-                namespace_id=_require(item, "namespace_id", str),
+                namespace_id=parse_namespace_id(_require(item, "namespace_id", str)),
                 key=NamespaceKey(key),
                 reserved_blocks=max(0, _optional(item, "reserved_blocks", int, 0)),
             )

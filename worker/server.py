@@ -20,7 +20,7 @@ from worker.engine import Engine, RequestError
 from worker.kv_events import engine_load
 from worker.metrics import render as render_metrics
 from worker.openapi import worker_openapi_spec
-from worker.protocol import BadRequest, parse_generate
+from worker.protocol import BadRequest, parse_generate, parse_namespace_id
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -273,9 +273,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def purge(request: web.Request) -> web.Response:
     body = await _json(request)
-    namespace_id = body.get("namespace_id") if isinstance(body, dict) else None
-    if not isinstance(namespace_id, str) or not namespace_id:
-        raise BadRequest("'namespace_id' must be a non-empty string", param="namespace_id")
+    namespace_id = parse_namespace_id(body.get("namespace_id") if isinstance(body, dict) else None)
     erased, failed = await request.app[ENGINE].purge(namespace_id)
     body: dict[str, Any] = {"namespace_id": namespace_id, "blocks_erased": erased}
     if failed:  # a partial data deletion must not look like success

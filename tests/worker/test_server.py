@@ -83,6 +83,19 @@ async def test_generate_stream_and_non_stream_agree_and_report_usage(worker_url)
         (body("x", [1, 2], sampling={"top_p": 0}), "top_p"),
         (body("x", [7] * 1000, sampling={"max_tokens": 100}), "context window"),
         (body("x", []), "at least one token"),
+        (
+            body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "x" * 300, "key": KEY}]),
+            "namespace_id",
+        ),
+        (
+            body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "t-*", "key": KEY}]),
+            "namespace_id",
+        ),
+        (
+            body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "a:b", "key": KEY}]),
+            "namespace_id",
+        ),
+        (body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "..", "key": KEY}]), "namespace_id"),
     ],
 )
 async def test_bad_input_gets_an_openai_style_400(worker_url, payload, message):
@@ -137,6 +150,13 @@ async def test_purge_erases_a_namespace(worker_url):
         assert status == 200 and purged["blocks_erased"]["l1"] >= 3
         _, again = await post(s, f"{worker_url}/v1/generate", body("p2", prompt))
     assert again["usage"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("namespace_id", ["*", "~quota", "t-[ab]", "x" * 300, "a:b", "", 5])
+async def test_purge_refuses_a_malformed_namespace_id(worker_url, namespace_id):
+    async with aiohttp.ClientSession() as s:
+        status, err = await post(s, f"{worker_url}/v1/purge", {"namespace_id": namespace_id})
+    assert status == 400 and err["error"]["param"] == "namespace_id"
 
 
 async def test_metrics_are_prometheus_text(worker_url):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from worker.tiers.host import DemotedBlock
 
 log = logging.getLogger("prefixgate.worker.disk")
 _NS_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+MAX_DIRNAME_CHARS = 128  # well under NAME_MAX (255 bytes on the usual file systems)
 HEADER_READ_BYTES = 1 << 16
 DIR_MODE = 0o700  # KV files hold tenants' prompts (token ids, keys/values): owner only
 FILE_MODE = 0o600
@@ -53,9 +55,17 @@ class DiskFile:
 
 
 def _safe_dirname(namespace_id: str) -> str:
-    if namespace_id and set(namespace_id) <= _NS_SAFE and namespace_id not in {".", ".."}:
+    """The directory of a namespace's files: the id itself when it is a plain short name, else a hex form.
+
+    Never longer than a file name may be: a longer one failed every write with ENAMETOOLONG, which
+    paused the tier for every namespace. The files' headers, not this name, say whose they are.
+    """
+    if len(namespace_id) <= MAX_DIRNAME_CHARS and set(namespace_id) <= _NS_SAFE and namespace_id.strip("."):
         return namespace_id
-    return "ns-" + namespace_id.encode().hex()
+    name = "ns-" + namespace_id.encode().hex()
+    if len(name) <= MAX_DIRNAME_CHARS:
+        return name
+    return "ns-h-" + hashlib.sha256(namespace_id.encode()).hexdigest()
 
 
 def group_runs(blocks: Sequence[DemotedBlock], max_blocks: int) -> list[list[DemotedBlock]]:

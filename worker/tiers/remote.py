@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ return evicted
 # The score is the write time in ms plus a fraction that falls with the block's depth in its chain.
 
 ERRORS = (redis.RedisError, OSError)
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 
 
 def _score(now_ms: int, position: int) -> str:
@@ -280,7 +282,10 @@ class RemoteTier:
             partition = f"{self.prefix}:~quota:{namespace_id}"
             books = [(self._lru, self._sizes, self._total)]
             books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
-            for key in self.client.scan_iter(match=f"{self.prefix}:{namespace_id}:*", count=500):
+            head = f"{self.prefix}:{namespace_id}:"
+            for key in self.client.scan_iter(match=_glob_escape(head) + "*", count=500):
+                if not _is_block_key(key, head):  # e.g. "<ns>:x:<hash>" of namespace "<ns>:x"
+                    continue
                 pipe = self.client.pipeline()
                 pipe.delete(key)
                 for lru, sizes, _ in books:  # the block may be booked in the shared LRU or the owner's
@@ -301,6 +306,17 @@ class RemoteTier:
 
     def stats(self) -> dict[str, int]:
         return {"available": int(self.available), "budget_bytes": self.budget_bytes, **self.counters}
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob (SCAN MATCH): a namespace id may not widen a purge."""
+    return re.sub(r"([*?\[\]\\^])", r"\\\1", text)
+
+
+def _is_block_key(key: bytes | str, head: str) -> bool:
+    """Whether ``key`` is ``head`` followed by a block hash (not a key of another namespace or the books)."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text.startswith(head) and _HEX.fullmatch(text[len(head) :]) is not None
 
 
 def _hash_of(key: bytes | str) -> BlockHash:
