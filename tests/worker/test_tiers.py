@@ -5,7 +5,7 @@ import time
 
 from tests.worker.conftest import greedy, prompt_of, run, segments
 
-BLOCK_BYTES = 4096  # random-tiny: 2 layers x (k, v) x 16 tokens x 2 heads x 16 dims x 4 bytes
+BLOCK_BYTES = 8192  # random-tiny: 2 layers x (k, v) x 16 tokens x 2 heads x 16 dims x 4 bytes
 A = segments(b"key-of-tenant-a!" * 2, "t-a")
 B = segments(b"key-of-tenant-b!" * 2, "t-b")
 
@@ -139,9 +139,9 @@ def test_cost_gate_recomputes_when_loading_is_slower(make_engine):
     engine = make_engine()
     store = engine.store
     engine.prefill_tokens_per_s = 16_000.0  # 1 ms per 16-token block
-    store.bandwidth["l2"].bps = 1e9  # 4 KB block in 4 µs: load
+    store.bandwidth["l2"].bps = 1e9  # 8 KB block in 8 µs: load
     assert store.worth_loading("l2", 10)
-    store.bandwidth["l2"].bps = 1e6  # 4 ms per block: recompute
+    store.bandwidth["l2"].bps = 1e6  # 8 ms per block: recompute
     assert not store.worth_loading("l2", 10)
 
 
