@@ -45,6 +45,7 @@ TIER_EVENTS = {
         "blocks_read",
         "bytes_read",
         "blocks_refused",
+        "no_room",
         "write_errors",
         "corrupt_deleted",
         "foreign_deleted",

@@ -33,7 +33,14 @@ from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import get_codec
-from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
+from worker.tiers.entry import (
+    BlockRecord,
+    CorruptEntry,
+    EntryHeader,
+    decode_header,
+    encode_entry,
+    payloads,
+)
 from worker.tiers.host import DemotedBlock
 
 log = logging.getLogger("prefixgate.worker.disk")
@@ -91,6 +98,39 @@ def group_runs(blocks: Sequence[DemotedBlock], max_blocks: int) -> list[list[Dem
     return runs
 
 
+def _parents_first(
+    found: Sequence[tuple[Path, EntryHeader, int]],
+) -> list[tuple[Path, EntryHeader, int]]:
+    """Files in an order where a file whose first block continues another file's blocks comes after it.
+
+    File names are block hashes, so a directory scan meets a chain's files in random order; registering
+    a child before its parent left the parent's child count wrong (and the child stranded from it).
+    """
+    owner = {}  # block hash -> index of the first file found holding it
+    for i, (_, header, _) in enumerate(found):
+        for record in header.blocks:
+            owner.setdefault(record.block_hash, i)
+    children: dict[int, list[int]] = {}
+    roots = []
+    for i, (_, header, _) in enumerate(found):
+        parent = owner.get(header.blocks[0].parent_hash) if header.blocks[0].parent_hash else None
+        if parent is None or parent == i:
+            roots.append(i)
+        else:
+            children.setdefault(parent, []).append(i)
+    order, seen = [], set()
+    for start in [*roots, *range(len(found))]:  # the second pass takes whatever a cycle left out
+        stack = [start]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            order.append(found[i])
+            stack.extend(reversed(children.get(i, [])))
+    return order
+
+
 class DiskTier:
     def __init__(
         self,
@@ -142,6 +182,7 @@ class DiskTier:
             if other.is_dir() and other != self.dir and len(other.name) == 16:
                 self.counters["foreign_deleted_total"] += sum(1 for _ in other.rglob("*.kv"))
                 shutil.rmtree(other, ignore_errors=True)
+        found: list[tuple[Path, EntryHeader, int]] = []
         for path in sorted(self.dir.rglob("*")):
             if path.is_dir():
                 path.chmod(DIR_MODE)  # written by an older version with the umask's mode
@@ -166,8 +207,11 @@ class DiskTier:
                     path.unlink(missing_ok=True)
                     self.counters["corrupt_deleted_total"] += 1
                     continue
-                self._register(path, header.namespace_id, header.blocks, size)
+                found.append((path, header, size))
+        for path, header, size in _parents_first(found):
+            self._register(path, header.namespace_id, header.blocks, size)
         self.counters["files_recovered_total"] = len(self.files)
+        self._make_room(0, writer="")  # restarted with a smaller budget than the files found
 
     # ---- index ---------------------------------------------------------------------------------
     def _register(self, path: Path, namespace_id: str, records: Sequence[BlockRecord], size: int) -> None:
@@ -199,7 +243,8 @@ class DiskTier:
             self.index.pop(record.block_hash, None)
         parent = info.records[0].parent_hash
         if parent and parent in self.index:
-            self.files[self.index[parent][0]].num_child_files -= 1
+            parent_info = self.files[self.index[parent][0]]
+            parent_info.num_child_files = max(0, parent_info.num_child_files - 1)
         self.num_bytes -= info.num_bytes
         self._bytes_by_ns[info.namespace_id] -= info.num_bytes
         if file_id in self.policy:
@@ -336,7 +381,9 @@ class DiskTier:
             raise OSError(
                 errno.ENOSPC, f"less than {self.min_free_bytes} bytes would be left free on the KV disk"
             )
-        self._make_room(len(entry), namespace_id)
+        if not self._make_room(len(entry), namespace_id):
+            self.counters["no_room_total"] += 1  # every file left is a parent or another owner's reservation
+            return 0
         directory = self.dir / _safe_dirname(namespace_id)
         directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
         path = directory / f"{run[0].record.block_hash.hex()}.kv"
@@ -372,14 +419,16 @@ class DiskTier:
         reserved = self.reserved_bytes.get(owner, 0)
         return not (reserved and owner != writer and self._bytes_by_ns[owner] <= reserved)
 
-    def _make_room(self, num_bytes: int, writer: str) -> None:
+    def _make_room(self, num_bytes: int, writer: str) -> bool:
+        """Evict until ``num_bytes`` more fit in the budget; False when nothing more may go."""
         with self._lock:
-            while self.files and self.num_bytes + num_bytes > self.budget_bytes:
-                victim = self.policy.evict(lambda f: self._evictable(f, writer))
+            while self.num_bytes + num_bytes > self.budget_bytes:
+                victim = self.policy.evict(lambda f: self._evictable(f, writer)) if self.files else None
                 if victim is None:
-                    break
+                    return False
                 self._drop(victim)
                 self.counters["files_evicted_total"] += 1
+            return True
 
     # ---- purge ---------------------------------------------------------------------------------
     def purge(self, namespace_id: str) -> int:
