@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
+from worker.tiers.entry import CorruptEntry, EntryHeader
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_GROUP = 32
 
@@ -137,3 +139,21 @@ def get_codec(name: str) -> Codec:
         return CODECS[name]
     except KeyError:
         raise ValueError(f"unknown KV codec {name!r}; known: {sorted(CODECS)}") from None
+
+
+def entry_codec(header: EntryHeader, shape: tuple[int, ...], dtype: torch.dtype) -> Codec:
+    """The codec that decodes an entry into ``[n, *shape]`` blocks of ``dtype``: the one its header names.
+
+    Raises:
+        CorruptEntry: the entry holds blocks of another dtype or shape, an unknown codec, or payloads of
+            the wrong size (the fingerprint does not cover the codec: workers of one model may differ).
+    """
+    if header.dtype != str(dtype).removeprefix("torch.") or tuple(header.block_shape) != tuple(shape):
+        raise CorruptEntry(f"entry holds {header.dtype} blocks of shape {list(header.block_shape)}")
+    codec = CODECS.get(header.codec)
+    if codec is None:
+        raise CorruptEntry(f"entry of unknown codec {header.codec!r}")
+    size = codec.payload_bytes(shape, dtype)
+    if any(length != size for length in header.lengths):
+        raise CorruptEntry(f"entry payloads are not {size} bytes ({codec.name})")
+    return codec

@@ -32,7 +32,7 @@ from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
-from worker.tiers.codec import get_codec
+from worker.tiers.codec import entry_codec, get_codec
 from worker.tiers.entry import (
     BlockRecord,
     CorruptEntry,
@@ -202,6 +202,7 @@ class DiskTier:
                     header = decode_header(head, fingerprint=self.fingerprint)
                     if entry_bytes != header.total_bytes:
                         raise CorruptEntry("file size does not match its header")
+                    entry_codec(header, self.block_shape, self.dtype)
                 except (CorruptEntry, OSError) as exc:
                     log.warning("deleting unreadable KV file %s: %s", path, exc)
                     path.unlink(missing_ok=True)
@@ -314,7 +315,9 @@ class DiskTier:
             header = decode_header(data, fingerprint=self.fingerprint)
             if header.total_bytes != len(data) or header.namespace_id != info.namespace_id:
                 raise CorruptEntry("truncated or misplaced file")
+            codec = entry_codec(header, self.block_shape, self.dtype)  # written before a codec change?
             region = payloads(data, header, first, count)
+            blocks = codec.decode(region, count, self.block_shape, self.dtype)
         except (CorruptEntry, OSError) as exc:
             log.warning("deleting damaged KV file %s: %s", info.path, exc)
             with self._lock:
@@ -322,7 +325,6 @@ class DiskTier:
                     self._drop(file_id)
                 self.counters["corrupt_deleted_total"] += 1
             raise CorruptEntry(str(exc)) from None
-        blocks = self.codec.decode(region, count, self.block_shape, self.dtype)
         self.counters["blocks_read_total"] += count
         self.counters["bytes_read_total"] += len(data)
         return list(header.blocks[first : first + count]), blocks

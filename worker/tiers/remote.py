@@ -15,6 +15,7 @@ gateway credits a block announced by one of them to all of them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ import torch
 from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
-from worker.tiers.codec import get_codec
+from worker.tiers.codec import Codec, entry_codec, get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
 
@@ -209,7 +210,7 @@ class RemoteTier:
     ) -> tuple[list[BlockRecord], torch.Tensor | None]:
         """The longest run of ``hashes`` stored remotely, decoded; ([], None) on a miss or an error."""
         records: list[BlockRecord] = []
-        chunks: list[bytes] = []
+        chunks: list[tuple[Codec, bytes]] = []  # verified payloads, each with the codec it was written in
         if not self.available:
             return records, None
         try:
@@ -237,7 +238,9 @@ class RemoteTier:
                             or record.token_ids != tuple(token_blocks[k])
                         ):
                             raise CorruptEntry("entry does not match its key")
-                        chunks.append(bytes(payloads(value, header, 0, 1)))
+                        # Layout and payload size checked here, so the decode below cannot fail.
+                        codec = entry_codec(header, self.block_shape, self.dtype)  # maybe not self.codec
+                        chunks.append((codec, bytes(payloads(value, header, 0, 1))))
                     except CorruptEntry as exc:
                         log.warning("dropping damaged remote KV entry %s: %s", keys[offset], exc)
                         self.client.delete(keys[offset])
@@ -263,13 +266,22 @@ class RemoteTier:
             return [], None
         if not records:
             return records, None
+        data = self._decode(chunks)
         if self.events is not None:  # the hit refreshed their TTL: the gateway keeps crediting them
             for namespace_id, record in zip(namespace_ids, records, strict=False):
                 self.events.stored(namespace_id, [record])
         self.counters["blocks_read_total"] += len(records)
-        return records, self.codec.decode(
-            bytearray(b"".join(chunks)), len(records), self.block_shape, self.dtype
-        )
+        return records, data
+
+    def _decode(self, chunks: Sequence[tuple[Codec, bytes]]) -> torch.Tensor:
+        """Blocks from verified payloads: one batched decode per run of entries of one codec."""
+        parts = []
+        for codec, run in itertools.groupby(chunks, key=lambda chunk: chunk[0]):
+            payload = [data for _, data in run]
+            parts.append(
+                codec.decode(bytearray(b"".join(payload)), len(payload), self.block_shape, self.dtype)
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def purge(self, namespace_id: str) -> int:
         """Delete every block of ``namespace_id`` of this model; returns how many.
