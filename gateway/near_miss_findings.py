@@ -4,8 +4,11 @@ A finding is where one of a tenant's prompts parted from a similar earlier one o
 candidate canonicalization rule (``/v1/prompt-lint``, ``GET /admin/v1/tenants/{id}/near-miss``). Each
 tenant keeps its ``limit`` newest findings, one per (model, position); the key is the tenant id, so no
 tenant ever reads another's. With Redis (``redis_url``) the replicas share them: a finding seen through
-one replica is listed by all. Redis is never on a request's path (findings are recorded in the
-background) and its failure is not fatal: the replica keeps its own copy and serves that meanwhile.
+one replica is listed by all. Redis keys carry the tenant's namespace id, derived from the deployment's
+namespace secret: after a secret rotation (every namespace changes) a replica restarted on the new
+secret no longer sees the old findings, which expire with their TTL. Redis is never on a request's
+path (findings are recorded in the background) and its failure is not fatal: the replica keeps its own
+copy and serves that meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from policies.isolation import tenant_namespace_id
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +109,7 @@ class RedisFindings:
         self,
         redis_url: str,
         *,
+        salt: bytes,
         limit: int = 20,
         ttl_s: float = 7 * 24 * 3600.0,
         key_prefix: str = "prefixgate:near-miss",
@@ -117,10 +123,12 @@ class RedisFindings:
         self.limit = limit
         self._ttl_ms = int(ttl_s * 1000)
         self._prefix = key_prefix
+        self._salt = salt  # the namespace secret in use: a rotation changes every key
         self._warned_at = 0.0
 
     def _keys(self, tenant_id: str) -> tuple[str, str]:
-        base = f"{self._prefix}:{{{tenant_id}}}"  # one hash tag: both keys on one cluster slot
+        namespace_id = tenant_namespace_id(self._salt, tenant_id)
+        base = f"{self._prefix}:{{{namespace_id}}}"  # one hash tag: both keys on one cluster slot
         return f"{base}:spans", f"{base}:order"
 
     def _warn(self, what: str, error: Exception) -> None:
