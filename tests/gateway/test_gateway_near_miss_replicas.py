@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 import uuid
 
 import pytest
+import redis.asyncio as redis
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
@@ -115,8 +117,9 @@ async def test_a_namespace_secret_rotation_leaves_the_old_findings_behind(
     redis_url,  # noqa: F811
 ):
     """Every namespace changes with the secret: findings recorded under the old one (kept in Redis) are
-    no longer listed by a replica restarted on the new one. The same replica setup before the rotation
-    still lists them (a restart alone forgets nothing)."""
+    no longer listed by a replica restarted on the new one; the same replica setup before the rotation
+    still lists them (a restart alone forgets nothing). Invalidating the tenant afterwards still erases
+    them from Redis (they hold prompt text)."""
 
     async def replica(name: str):  # the secret from the database (no configured namespace_salt)
         config = make_config(sqlite_url, tmp_path / name, namespace_salt="", redis_url=redis_url)
@@ -124,7 +127,10 @@ async def test_a_namespace_secret_rotation_leaves_the_old_findings_behind(
 
     first = await replica("a")
     tenant = await create_tenant(first, near_miss_routing=True)
-    await first.app[NEAR_MISS]._findings.record(tenant["id"], span(16, time.time()))
+    marker = f"text-{uuid.uuid4().hex}"
+    await first.app[NEAR_MISS]._findings.record(
+        tenant["id"], dataclasses.replace(span(16, 1.0), before_text=marker)
+    )
     assert [f["position_token"] for f in await findings_of(first, tenant)] == [16]
     await first.close()
     restarted = await replica("b")
@@ -134,3 +140,15 @@ async def test_a_namespace_secret_rotation_leaves_the_old_findings_behind(
     await restarted.close()
     on_new_secret = await replica("c")
     assert await findings_of(on_new_secret, tenant) == []
+    response = await on_new_secret.post(f"/admin/v1/tenants/{tenant['id']}/invalidate", headers=ADMIN)
+    assert response.status == 200, await response.text()
+    store = redis.from_url(redis_url)
+    try:
+        kept = [
+            value
+            async for key in store.scan_iter(match="prefixgate:near-miss:*", _type="hash")
+            for value in await store.hvals(key)
+        ]
+    finally:
+        await store.aclose()
+    assert not [value for value in kept if marker.encode() in value]
