@@ -22,6 +22,17 @@ from tests.tenancy.private_postgres import private_postgres
 from tests.tenancy.test_tenancy_usage_durability import stored_ids
 
 
+async def end_every_task_left(timeout_s: float = 15) -> None:
+    """What the event loop's teardown does: cancel every task still there and wait for them all (it
+    waits without a bound)."""
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    if left:
+        _, pending = await asyncio.wait(left, timeout=timeout_s)
+        assert not pending, f"tasks that never end: {pending}"
+
+
 async def test_hung_database_spools_and_shutdown_is_bounded(aiohttp_client, tmp_path, worker_url):
     try:
         manager = private_postgres()
@@ -57,6 +68,7 @@ async def test_hung_database_spools_and_shutdown_is_bounded(aiohttp_client, tmp_
             started = time.monotonic()
             await asyncio.wait_for(client.close(), 30)
             assert time.monotonic() - started < 10
+            await end_every_task_left()  # while the database still hangs
         finally:
             pg.resume()
         assert UsageSpool(config.resolved_spool_path).depth() == 3
@@ -96,13 +108,7 @@ async def test_sqlite_write_held_past_its_deadline_neither_hangs_shutdown_nor_lo
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    # What the event loop's teardown does: cancel every task still there and wait for them all.
-    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in left:
-        task.cancel()
-    if left:
-        _, pending = await asyncio.wait(left, timeout=15)
-        assert not pending, f"tasks that never end: {pending}"
+    await end_every_task_left()
 
     engine = create_engine(sqlite_url)  # the next start replays the spool
     await UsageWriter(create_sessionmaker(engine), UsageSpool(config.resolved_spool_path)).flush()
