@@ -35,7 +35,8 @@ def unformattable_answer(monkeypatch) -> list[dict[str, Any]]:
         async for event in stream(self, prepared):
             if event.get("type") == "final":
                 usages.append(event["usage"])
-            yield {**event, "logprobs": BROKEN_LOGPROBS} if event.get("text") else event
+            # Every token event carries logprobs (requested), also one whose byte completes no text yet.
+            yield {**event, "logprobs": BROKEN_LOGPROBS} if event.get("logprobs") else event
 
     monkeypatch.setattr(RequestPipeline, "generate", broken_generate)
     monkeypatch.setattr(RequestPipeline, "stream", broken_stream)
