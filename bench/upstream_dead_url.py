@@ -18,20 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import aiohttp
 
-from bench.gateway_overhead import ADMIN_TOKEN, create_tenant, percentile, wait_http
-from bench.upstream_overhead import MODEL, PUBLIC_MODEL, _gateway, _upstream_tenant
-from gateway.up import free_port
+from bench.gateway_overhead import create_tenant, percentile
+from bench.upstream_stack import MODEL, PUBLIC_MODEL, upstream_stack
 from tests.upstreams import blackhole
 
 CONNECT_TIMEOUT_S = 1.0
@@ -71,54 +65,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     args = parser.parse_args()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pg-bench-dead-") as tmp, blackhole() as dead:
-        base = {**os.environ, "PREFIXGATE_ADMIN_TOKEN": ADMIN_TOKEN, "PREFIXGATE_LOG_LEVEL": "ERROR"}
-        envs = {
-            name: {**base, "PREFIXGATE_DATA_DIR": str(Path(tmp) / name), "PREFIXGATE_NAMESPACE_SALT": name}
-            for name in ("upstream", *SETTINGS)
-        }
-        for env in envs.values():
-            upgrade = [sys.executable, "-m", "gateway", "db", "upgrade"]
-            subprocess.run(upgrade, env=env, check=True, stdout=subprocess.DEVNULL)
-        worker_port, up_port = free_port(), free_port()
-        worker, upstream = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{up_port}"
-        worker_cmd = [sys.executable, "-m", "worker", "--model", MODEL, "--port", str(worker_port)]
-        up_env = envs["upstream"]
-        processes = [
-            subprocess.Popen(worker_cmd, env=up_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            _gateway(up_env, up_port, "--worker-url", worker),
-        ]
-        try:
-            wait_http(worker + "/healthz", processes[0])
-            wait_http(upstream + "/healthz", processes[1])
-            front_key = asyncio.run(_upstream_tenant(upstream))
-            fronts = {}
-            for name, threshold in SETTINGS.items():
-                spec = {
-                    "name": "bench",
-                    "urls": [dead, upstream + "/v1"],
-                    "models": {PUBLIC_MODEL: MODEL},
-                    "api_key_env": "BENCH_UPSTREAM_KEY",
-                    "connect_timeout_s": CONNECT_TIMEOUT_S,
-                    "down_s": 600,
-                    "failure_threshold": threshold,
-                    "probe_interval_s": 0,  # the passive breaker alone
-                }
-                env = envs[name] | {
-                    "PREFIXGATE_WORKER_URLS": "",
-                    "PREFIXGATE_OPENAI_UPSTREAMS": json.dumps([spec]),
-                    "BENCH_UPSTREAM_KEY": front_key,
-                }
-                port = free_port()
-                processes.append(_gateway(env, port))
-                fronts[name] = f"http://127.0.0.1:{port}"
-                wait_http(fronts[name] + "/healthz", processes[-1])
-            result = asyncio.run(run(fronts, args.requests))
-        finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(30)
+    with (
+        blackhole() as dead,
+        upstream_stack(SETTINGS, log_level="ERROR", tmp_prefix="pg-bench-dead-") as stack,
+    ):
+        fronts = {}
+        for name, threshold in SETTINGS.items():
+            spec = {
+                "name": "bench",
+                "urls": [dead, stack.upstream + "/v1"],
+                "models": {PUBLIC_MODEL: MODEL},
+                "connect_timeout_s": CONNECT_TIMEOUT_S,
+                "down_s": 600,
+                "failure_threshold": threshold,
+                "probe_interval_s": 0,  # the passive breaker alone
+            }
+            fronts[name] = stack.start_front(name, spec)
+        result = asyncio.run(run(fronts, args.requests))
     print(f"{'front gateway':<14}{'p50':>10}{'p99':>10}{'mean':>10}{'slow (>= 1 s)':>16}")
     for name, r in result.items():
         print(

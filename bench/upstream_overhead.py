@@ -22,24 +22,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 from rich.progress import track
 
 from bench.gateway_chat import CHAT_MESSAGES
-from bench.gateway_overhead import ADMIN_TOKEN, create_tenant, percentile, wait_http
-from gateway.up import free_port
-
-MODEL = "random-tiny"
-PUBLIC_MODEL = "bench-upstream"
+from bench.gateway_overhead import create_tenant, percentile
+from bench.upstream_stack import MODEL, PUBLIC_MODEL, upstream_stack
 
 
 def chat_payload(model: str, stream: bool) -> bytes:
@@ -128,63 +121,21 @@ async def run(upstream: str, front: str, front_key: str, quick: bool) -> dict:
     return result
 
 
-def _gateway(env: dict[str, str], port: int, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "gateway", "gateway", "--port", str(port), *extra]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (about a minute)")
     args = parser.parse_args()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pg-bench-up-") as tmp:
-        base = {**os.environ, "PREFIXGATE_ADMIN_TOKEN": ADMIN_TOKEN, "PREFIXGATE_LOG_LEVEL": "WARNING"}
-        up_env = {
-            **base,
-            "PREFIXGATE_DATA_DIR": str(Path(tmp) / "upstream"),
-            "PREFIXGATE_NAMESPACE_SALT": "u",
+    with upstream_stack(["front"], log_level="WARNING", tmp_prefix="pg-bench-up-") as stack:
+        spec = {
+            "name": "bench",
+            "url": stack.upstream + "/v1",
+            "models": {PUBLIC_MODEL: MODEL},
+            "flavour": "vllm",
         }
-        front_env = {
-            **base,
-            "PREFIXGATE_DATA_DIR": str(Path(tmp) / "front"),
-            "PREFIXGATE_NAMESPACE_SALT": "f",
-        }
-        for env in (up_env, front_env):
-            upgrade = [sys.executable, "-m", "gateway", "db", "upgrade"]
-            subprocess.run(upgrade, env=env, check=True, stdout=subprocess.DEVNULL)
-        worker_port, up_port, front_port = free_port(), free_port(), free_port()
-        worker = f"http://127.0.0.1:{worker_port}"
-        upstream, front = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{front_port}"
-        worker_cmd = [sys.executable, "-m", "worker", "--model", MODEL, "--port", str(worker_port)]
-        processes = [
-            subprocess.Popen(worker_cmd, env=up_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            _gateway(up_env, up_port, "--worker-url", worker),
-        ]
-        try:
-            wait_http(worker + "/healthz", processes[0])
-            wait_http(upstream + "/healthz", processes[1])
-            front_key = asyncio.run(_upstream_tenant(upstream))
-            spec = {
-                "name": "bench",
-                "url": upstream + "/v1",
-                "models": {PUBLIC_MODEL: MODEL},
-                "flavour": "vllm",
-            }
-            front_env |= {
-                "PREFIXGATE_WORKER_URLS": "",
-                "PREFIXGATE_OPENAI_UPSTREAMS": json.dumps([{**spec, "api_key_env": "BENCH_UPSTREAM_KEY"}]),
-                "BENCH_UPSTREAM_KEY": front_key,
-            }
-            processes.append(_gateway(front_env, front_port))
-            wait_http(front + "/healthz", processes[2])
-            print(f"worker and gateways up after {time.monotonic() - started:.1f} s", file=sys.stderr)
-            result = asyncio.run(run(upstream, front, front_key, args.quick))
-        finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.wait(30)
+        front = stack.start_front("front", spec)
+        print(f"worker and gateways up after {time.monotonic() - started:.1f} s", file=sys.stderr)
+        result = asyncio.run(run(stack.upstream, front, stack.front_key, args.quick))
     print(f"{'path':<14}{'direct p50':>12}{'front p50':>12}{'added p50':>11}{'added p99':>11}")
     for name in ("chat", "stream_ttft"):
         r = result[name]
@@ -208,12 +159,6 @@ def main() -> None:
         "rps_ratio_front_to_direct": round(ratio, 3),
     }
     print(json.dumps({**summary, **throughput}))
-
-
-async def _upstream_tenant(upstream: str) -> str:
-    """The front gateway's key: a tenant of the upstream gateway."""
-    async with aiohttp.ClientSession() as session:
-        return (await create_tenant(session, upstream, {"name": "front-gateway"}))["api_key"]
 
 
 if __name__ == "__main__":

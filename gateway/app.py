@@ -188,7 +188,9 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         backend=config.near_miss_embedding,
         metrics=app[METRICS],
     )
-    findings = RedisFindings(config.redis_url) if config.redis_url else LocalFindings()
+    findings = (
+        RedisFindings(config.redis_url, salt=config.salt_bytes) if config.redis_url else LocalFindings()
+    )
     app[NEAR_MISS] = near_miss = NearMissRouting(
         embedder=embedder,
         metrics=app[METRICS],

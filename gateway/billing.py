@@ -6,7 +6,9 @@ Billing rules:
   costs nothing and records 0 tokens;
 - a completed request is billed the worker's usage;
 - a request cut part-way (client gone, worker crash, gateway shutdown) is billed its prompt as served
-  and the completion tokens actually sent to the client.
+  and the completion tokens actually sent to the client;
+- an answer the gateway could not format (``format_error``) is billed what was delivered like a cut
+  one; when that is nothing, the record still holds the tokens the worker used, at no cost.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.pipeline import PreparedRequest
 from tenancy.policy import TenantPolicy
-from tenancy.usage_types import OUTCOME_COMPLETED, Prices, UsageEvent
+from tenancy.usage_types import OUTCOME_COMPLETED, OUTCOME_FORMAT_ERROR, Prices, UsageEvent
 
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request" (before any answer)
 
@@ -67,7 +69,11 @@ def usage_event(call: TenantCall, prices: Prices) -> UsageEvent:
     delivered = call.delivered_tokens
     billed = completed or delivered > 0
     usage = (call.usage if completed else call.prompt_usage) or {}
-    if not billed:
+    # Formatting failed before anything was delivered, yet the worker did the work: keep its counts.
+    unbilled_work = not billed and outcome == OUTCOME_FORMAT_ERROR
+    if unbilled_work:
+        usage = call.usage or call.prompt_usage or {}
+    elif not billed:
         usage = {}
     by_tier = {tier: int(n) for tier, n in (usage.get("cached_tokens_by_source") or {}).items()}
     return UsageEvent(
@@ -80,11 +86,16 @@ def usage_event(call: TenantCall, prices: Prices) -> UsageEvent:
         endpoint=call.endpoint,
         status=call.status,
         outcome=outcome,
-        prompt_tokens=int(usage.get("prompt_tokens", call.num_prompt_tokens)) if billed else 0,
+        prompt_tokens=int(usage.get("prompt_tokens", call.num_prompt_tokens))
+        if billed or unbilled_work
+        else 0,
         cached_tokens=int(usage.get("cached_tokens", 0)),
         cached_tokens_by_tier=by_tier,
-        completion_tokens=int(call.usage.get("completion_tokens", delivered)) if completed else delivered,
+        completion_tokens=int(usage.get("completion_tokens", delivered))
+        if completed or unbilled_work
+        else delivered,
         prefill_ms=float(usage.get("prefill_ms", 0.0)),
         saved_prefill_ms=float(usage.get("estimated_saved_prefill_ms", 0.0)),
         prices=prices,
+        billable=not unbilled_work,
     )

@@ -96,6 +96,14 @@ class RateLimited(APIError):
     retry_after_s = 1
 
 
+class ResponseFormatError(APIError):
+    """The worker answered, but the gateway could not turn the answer into an OpenAI response."""
+
+    status = 500
+    type = "api_error"
+    code = "response_format_failed"
+
+
 class UpstreamError(APIError):
     status = 502
     type = "upstream_error"

@@ -4,8 +4,12 @@ A finding is where one of a tenant's prompts parted from a similar earlier one o
 candidate canonicalization rule (``/v1/prompt-lint``, ``GET /admin/v1/tenants/{id}/near-miss``). Each
 tenant keeps its ``limit`` newest findings, one per (model, position); the key is the tenant id, so no
 tenant ever reads another's. With Redis (``redis_url``) the replicas share them: a finding seen through
-one replica is listed by all. Redis is never on a request's path (findings are recorded in the
-background) and its failure is not fatal: the replica keeps its own copy and serves that meanwhile.
+one replica is listed by all. In Redis each finding is filed under the tenant's namespace id (derived
+from the deployment's namespace secret) within the tenant's keys: after a secret rotation (every
+namespace changes) a replica restarted on the new secret lists only the findings of the new one, newer
+findings push the old ones out, and a purge, invalidation or deletion still erases them all. Redis is
+never on a request's path (findings are recorded in the background) and its failure is not fatal: the
+replica keeps its own copy and serves that meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from policies.isolation import tenant_namespace_id
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,7 @@ class RedisFindings:
         self,
         redis_url: str,
         *,
+        salt: bytes,
         limit: int = 20,
         ttl_s: float = 7 * 24 * 3600.0,
         key_prefix: str = "prefixgate:near-miss",
@@ -117,11 +124,16 @@ class RedisFindings:
         self.limit = limit
         self._ttl_ms = int(ttl_s * 1000)
         self._prefix = key_prefix
+        self._salt = salt  # the namespace secret in use: a rotation changes every namespace id
         self._warned_at = 0.0
 
     def _keys(self, tenant_id: str) -> tuple[str, str]:
         base = f"{self._prefix}:{{{tenant_id}}}"  # one hash tag: both keys on one cluster slot
         return f"{base}:spans", f"{base}:order"
+
+    def _namespace(self, tenant_id: str) -> str:
+        """The start of the tenant's fields under the namespace secret in use."""
+        return tenant_namespace_id(self._salt, tenant_id) + "\0"
 
     def _warn(self, what: str, error: Exception) -> None:
         if time.monotonic() - self._warned_at > 60:
@@ -131,7 +143,7 @@ class RedisFindings:
     async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
         if not await self._local.record(tenant_id, span):
             return False  # this replica wrote it already (the same spot recurs with every near miss)
-        field = f"{span.model_id}\0{span.position_token}"
+        field = f"{self._namespace(tenant_id)}{span.model_id}\0{span.position_token}"
         try:
             await self._record(
                 keys=list(self._keys(tenant_id)),
@@ -142,10 +154,12 @@ class RedisFindings:
         return True
 
     async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
-        """Every replica's findings for the tenant, newest first."""
+        """Every replica's findings for the tenant under the namespace secret in use, newest first."""
         spans_key, order_key = self._keys(tenant_id)
+        namespace = self._namespace(tenant_id).encode()
         try:
             fields = await self._redis.zrevrange(order_key, 0, self.limit - 1)
+            fields = [field for field in fields if field.startswith(namespace)]
             values = await self._redis.hmget(spans_key, fields) if fields else []
         except Exception as error:
             self._warn("read", error)

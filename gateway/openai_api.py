@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +15,14 @@ from aiohttp import web
 from gateway import choices, openai_format, upstream_serve
 from gateway.admission import admit_choices
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
-from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
+from gateway.errors import (
+    APIError,
+    AuthenticationError,
+    InvalidRequest,
+    RateLimited,
+    ResponseFormatError,
+    Unavailable,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -42,9 +50,12 @@ from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
     OUTCOME_CLIENT_ERROR,
+    OUTCOME_FORMAT_ERROR,
     OUTCOME_SERVER_ERROR,
     OUTCOME_SHUTDOWN,
 )
+
+log = logging.getLogger(__name__)
 
 CANONICALIZED_HEADER = "x-prefixgate-canonicalized"  # dynamic fragments moved out of the prefix
 
@@ -195,6 +206,26 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
 Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
 
 
+@contextlib.contextmanager
+def _formatting(call: TenantCall) -> Iterator[None]:
+    """Formatting the worker's answer: a failure (a gateway bug, or a worker speaking another protocol
+    version) is a clear 500 or stream error event, logged with its cause, and recorded under
+    ``format_error`` with the tokens the worker used (gateway.billing)."""
+    try:
+        yield
+    except APIError:
+        raise
+    except Exception as exc:
+        call.outcome = OUTCOME_FORMAT_ERROR
+        log.exception(
+            "could not format the answer of %s (x-request-id %s)", call.completion_id, call.request_id
+        )
+        raise ResponseFormatError(
+            "the model's answer could not be formatted as an OpenAI response (a server fault, logged under "
+            "this request id); what was not delivered is not billed"
+        ) from exc
+
+
 async def _for_model(
     model: ModelRuntime, parsed: ChatRequest | CompletionRequest
 ) -> tuple[ChatRequest | CompletionRequest, ToolCallParser | None]:
@@ -247,7 +278,8 @@ async def _serve(
         return await _stream(request, call, prepared, tools)
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
-    return openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
+    with _formatting(call):
+        return openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
 
 
 def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
@@ -268,19 +300,21 @@ async def _stream(
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
-        first = writer.first()
-        if first is not None:
-            await response.write(first)
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
+            with _formatting(call):
+                first = writer.first()
+            if first is not None:
+                await response.write(first)
             while item is not None:
                 index, event = item
                 if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
                     call.prompt_usage = event["usage"]
                 held[index] = held.get(index, 0) + len(event.get("token_ids") or ())
                 if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
-                    chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
+                    with _formatting(call):
+                        chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
                     if chunk:
                         await response.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
@@ -289,13 +323,15 @@ async def _stream(
                     usage = choices.combined_usage([usages[i] for i in sorted(usages)])
                     last = len(usages) == prepared.sampling.n
                     reason = event.get("finish_reason", "stop")
-                    await response.write(writer.final(reason, usage if last else None, index))
+                    with _formatting(call):
+                        chunk = writer.final(reason, usage if last else None, index)
+                    await response.write(chunk)
                     call.delivered_tokens += held.pop(index, 0)
                     if last:  # every choice ended: the worker's usage is what was delivered
                         call.usage = usage
                 item = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
-            call.outcome = OUTCOME_SERVER_ERROR
+            call.outcome = call.outcome or OUTCOME_SERVER_ERROR
             await response.write(writer.error(exc.to_json(call.request_id)))
         except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
             _cut(request, call)

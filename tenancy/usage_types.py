@@ -25,6 +25,9 @@ OUTCOME_USAGE_UNREPORTED = "usage_unreported"
 # The client went away from an external upstream's stream before it reported usage: the tokens billed
 # are the gateway's estimate (prompt: tokenizer or characters / 4; completion: chunks relayed).
 OUTCOME_CANCELLED_ESTIMATED = "cancelled_estimated"
+# The worker answered but the gateway could not format the answer (500, or an error event in a stream):
+# the tokens the worker used are recorded; what was delivered is billed, so a 500 costs nothing.
+OUTCOME_FORMAT_ERROR = "format_error"
 OUTCOMES = (
     OUTCOME_COMPLETED,
     OUTCOME_CLIENT_CANCELLED,
@@ -33,6 +36,7 @@ OUTCOMES = (
     OUTCOME_SHUTDOWN,
     OUTCOME_USAGE_UNREPORTED,
     OUTCOME_CANCELLED_ESTIMATED,
+    OUTCOME_FORMAT_ERROR,
 )
 
 
@@ -93,19 +97,21 @@ class UsageEvent:
     tenant_name: str = ""  # the name when the request ran (the tenant may be renamed or deleted)
     key_id: str | None = None  # the API key it authenticated with
     end_user: str | None = None  # the request's `user` field
-    prompt_tokens: int = 0  # billed prompt tokens (0 when nothing was delivered)
+    prompt_tokens: int = 0  # billed prompt tokens (0 when nothing was delivered, unless not billable)
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0  # tokens actually sent to the client
     prefill_ms: float = 0.0
     saved_prefill_ms: float = 0.0
     prices: Prices = ZERO_PRICES  # unit prices in force when the request ran
+    # False: the tokens above were used but nothing was delivered (format_error); the record costs nothing.
+    billable: bool = True
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def cost(self) -> Cost:
         return price_tokens(
-            self.prices,
+            self.prices if self.billable else ZERO_PRICES,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             completion_tokens=self.completion_tokens,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 import uuid
 
 import pytest
+import redis.asyncio as redis
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
@@ -32,8 +34,8 @@ def span(position: int, seen_at: float) -> DivergingSpan:
 
 
 async def test_redis_findings_keep_the_newest_per_tenant_once_per_position(redis_url):  # noqa: F811
-    store = RedisFindings(redis_url, limit=3, key_prefix=f"test-nm-{uuid.uuid4().hex}")
-    reader = RedisFindings(redis_url, limit=3, key_prefix=store._prefix)  # another replica
+    store = RedisFindings(redis_url, salt=b"s", limit=3, key_prefix=f"test-nm-{uuid.uuid4().hex}")
+    reader = RedisFindings(redis_url, salt=b"s", limit=3, key_prefix=store._prefix)  # another replica
     now = time.time()
     for i, position in enumerate((16, 32, 48, 32, 64, 80)):  # 32 again: already known, not re-added
         await store.record("tenant-a", span(position, now + i))
@@ -46,7 +48,7 @@ async def test_redis_findings_keep_the_newest_per_tenant_once_per_position(redis
 
 
 async def test_redis_outage_keeps_this_replicas_findings():
-    store = RedisFindings("redis://127.0.0.1:1/0", timeout_s=0.2)  # nothing listens there
+    store = RedisFindings("redis://127.0.0.1:1/0", salt=b"s", timeout_s=0.2)  # nothing listens there
     await store.record("tenant-a", span(16, time.time()))  # does not raise
     assert [f["position_token"] for f in await store.recent("tenant-a")] == [16]
     await store.close()
@@ -106,3 +108,47 @@ async def test_a_near_miss_seen_by_one_replica_is_listed_by_the_other(
     assert (await lint.json())["near_miss_findings"] == listed
     assert await findings_of(b, other) == [] and await findings_of(a, other) == []  # never another's
     await sdk.close()
+
+
+async def test_a_namespace_secret_rotation_leaves_the_old_findings_behind(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    redis_url,  # noqa: F811
+):
+    """Every namespace changes with the secret: findings recorded under the old one (kept in Redis) are
+    no longer listed by a replica restarted on the new one; the same replica setup before the rotation
+    still lists them (a restart alone forgets nothing). Invalidating the tenant afterwards still erases
+    them from Redis (they hold prompt text)."""
+
+    async def replica(name: str):  # the secret from the database (no configured namespace_salt)
+        config = make_config(sqlite_url, tmp_path / name, namespace_salt="", redis_url=redis_url)
+        return await aiohttp_client(create_app(config))
+
+    first = await replica("a")
+    tenant = await create_tenant(first, near_miss_routing=True)
+    marker = f"text-{uuid.uuid4().hex}"
+    await first.app[NEAR_MISS]._findings.record(
+        tenant["id"], dataclasses.replace(span(16, 1.0), before_text=marker)
+    )
+    assert [f["position_token"] for f in await findings_of(first, tenant)] == [16]
+    await first.close()
+    restarted = await replica("b")
+    assert [f["position_token"] for f in await findings_of(restarted, tenant)] == [16]
+    rotated = await restarted.post("/admin/v1/namespace-secret/rotate", headers=ADMIN)
+    assert rotated.status == 200
+    await restarted.close()
+    on_new_secret = await replica("c")
+    assert await findings_of(on_new_secret, tenant) == []
+    response = await on_new_secret.post(f"/admin/v1/tenants/{tenant['id']}/invalidate", headers=ADMIN)
+    assert response.status == 200, await response.text()
+    store = redis.from_url(redis_url)
+    try:
+        kept = [
+            value
+            async for key in store.scan_iter(match="prefixgate:near-miss:*", _type="hash")
+            for value in await store.hvals(key)
+        ]
+    finally:
+        await store.aclose()
+    assert not [value for value in kept if marker.encode() in value]

@@ -1,4 +1,5 @@
 import asyncio
+import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -278,3 +279,19 @@ def test_migration_0003_freezes_the_rows_recorded_before_it(tmp_path: Path):
         ("r1", "kept", "completed", 1.0, 5.0, 0.6, 0.04, 0.5, pytest.approx(1.14)),
         ("r2", None, "client_cancelled", 1.0, 2.0, 0.00001, 0.0, 0.0, 0.00001),
     ]
+
+
+def test_a_record_not_billable_keeps_its_tokens_at_no_cost_through_the_spool(tmp_path: Path):
+    """format_error: the tokens the worker used, nothing delivered, nothing billed; a line spooled by an
+    earlier version (no ``billable``) is billable."""
+    prices = Prices(input_per_mtok=3.0, cached_input_per_mtok=0.5, output_per_mtok=7.0)
+    spool = UsageSpool(tmp_path / "spool.jsonl")
+    spool.append([event("unbilled", outcome="format_error", status=500, prices=prices, billable=False)])
+    earlier = event("earlier", prices=prices).to_json()
+    del earlier["billable"]
+    with open(spool.path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(earlier) + "\n")
+    unbilled, billed = spool.read()
+    row = unbilled.to_row()
+    assert (row["prompt_tokens"], row["completion_tokens"], row["cost_total"]) == (100, 10, 0.0)
+    assert billed.billable and billed.to_row()["cost_total"] > 0
