@@ -29,6 +29,7 @@ import json
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from bench.trace import TraceRequest, num_unique_blocks, write_trace
@@ -256,6 +257,7 @@ def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, dict[str, Any] | 
 
 def main(argv: list[str] | None = None) -> None:
     spec, chat_options, out = _parse_args(argv)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # bench/out/ is not in a fresh checkout
     if chat_options is not None:
         from bench.chat_workload import ChatSpec, chat_workload
 

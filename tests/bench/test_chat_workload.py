@@ -64,7 +64,7 @@ def test_shuffled_tools_are_the_same_tools_in_canonical_form():
 
 
 def test_cli_writes_chat_requests(tmp_path, capsys):
-    out = tmp_path / "chat.jsonl"
+    out = tmp_path / "out" / "chat.jsonl"
     main(
         ["--out", str(out), "--chat", "--num-requests", "30", "--timestamp-share", "1", "--unit-chars", "40"]
     )

@@ -57,7 +57,7 @@ def test_later_turns_extend_earlier_prompts():
 
 
 def test_cli_writes_a_loadable_trace(tmp_path, capsys):
-    out = tmp_path / "w.jsonl"
+    out = tmp_path / "out" / "w.jsonl"  # like bench/out/, which a fresh checkout does not have
     main(["--out", str(out), "--num-requests", "50", "--num-tenants", "3", "--message-blocks", "1", "2"])
     requests = load_trace(out)
     assert len(requests) == 50
