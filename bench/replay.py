@@ -1,16 +1,19 @@
 """Replay a request stream through one eviction policy object and count hits.
 
-Two modes, both driving the policy through the same ``EvictionPolicy`` calls the worker's pool makes:
+Three modes, each driving the policy object it is given:
 
-- ``prefix``: the worker's prefix store. A request reuses the longest run of resident blocks from its
-  start; the rest is recomputed and inserted in prompt order. The request's blocks are pinned while it
-  runs and a block with resident children may not be evicted (leaf-first), so the store never holds a
-  block whose parent is gone.
+- ``prefix``: a model of the worker's prefix store, making the protocol's calls in prompt order
+  (``on_hit`` per reused block; ``on_miss``, evictions, ``on_insert`` per missing one). A request
+  reuses the longest run of resident blocks from its start; the rest is recomputed and inserted in
+  prompt order. The request's blocks are pinned while it runs and a block with resident children may
+  not be evicted (leaf-first), so the store never holds a block whose parent is gone.
 - ``flat``: libCacheSim's semantics, for the cross-check: every block id is one request of size 1 for a
   cache of ``capacity`` objects, with no pinning and no parent constraint. A block whose parent was
   evicted may stay resident; it counts as a flat hit but never as a prefix hit.
+- ``worker``: the worker's own ``BlockManager`` instead of the model of it (``bench.replay_worker``), to
+  check that ``prefix`` measures what the worker does.
 
-Both report the flat hit ratio (resident blocks found / blocks requested) and the prefix-usable hit
+All report the flat hit ratio (resident blocks found / blocks requested) and the prefix-usable hit
 ratio (blocks found before the request's first miss / blocks requested).
 """
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 from policies.eviction import BlockId, BlockMeta, EvictionPolicy
 
-MODES = ("prefix", "flat")
+MODES = ("prefix", "flat", "worker")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,13 +74,18 @@ def replay(
         requests: the stream, in arrival order.
         policy: a fresh policy object (it is driven, not copied).
         capacity_blocks: cache size in blocks.
-        mode: ``prefix`` (the worker's store) or ``flat`` (libCacheSim's semantics).
+        mode: ``prefix`` (a model of the worker's store), ``flat`` (libCacheSim's semantics) or
+            ``worker`` (the worker's ``BlockManager`` itself).
         on_request: called after each request (progress reporting).
     """
     if mode == "prefix":
         return _replay_prefix(requests, policy, capacity_blocks, on_request)
     if mode == "flat":
         return _replay_flat(requests, policy, capacity_blocks, on_request)
+    if mode == "worker":
+        from bench.replay_worker import replay_worker  # it imports this module
+
+        return replay_worker(requests, policy, capacity_blocks, on_request)
     raise ValueError(f"unknown replay mode {mode!r}; known: {', '.join(MODES)}")
 
 

@@ -16,7 +16,8 @@ A request's prompt is built the way chat applications build theirs, so its block
 
 ``plan_workload`` returns each request as a list of parts (which system prompt, document, turns: keys
 and lengths), ``generate_workload`` turns the parts into chained block ids, and ``bench.chat_workload``
-turns the same parts into chat messages. ``python -m bench.workloads --out FILE`` writes a trace.
+turns the same parts into chat messages. ``python -m bench.workloads --out FILE`` writes a trace; the
+last line printed is one JSON object with its counts.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import json
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from bench.trace import TraceRequest, num_unique_blocks, write_trace
@@ -254,6 +257,7 @@ def _parse_args(argv: list[str] | None) -> tuple[WorkloadSpec, dict[str, Any] | 
 
 def main(argv: list[str] | None = None) -> None:
     spec, chat_options, out = _parse_args(argv)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # bench/out/ is not in a fresh checkout
     if chat_options is not None:
         from bench.chat_workload import ChatSpec, chat_workload
 
@@ -261,14 +265,17 @@ def main(argv: list[str] | None = None) -> None:
         with open(out, "w", encoding="utf-8") as lines:
             lines.writelines(request.to_json() + "\n" for request in chat_requests)
         print(f"wrote {len(chat_requests)} chat requests, {spec.num_tenants} tenants to {out}")
-        return
-    requests = generate_workload(spec)
-    write_trace(out, requests)
-    num_blocks = sum(len(r.hash_ids) for r in requests)
-    print(
-        f"wrote {len(requests)} requests, {num_blocks} blocks, {num_unique_blocks(requests)} unique, "
-        f"{spec.num_tenants} tenants to {out}"
-    )
+        summary = {"chat_requests": len(chat_requests)}
+    else:
+        requests = generate_workload(spec)
+        write_trace(out, requests)
+        num_blocks, num_unique = sum(len(r.hash_ids) for r in requests), num_unique_blocks(requests)
+        print(
+            f"wrote {len(requests)} requests, {num_blocks} blocks, {num_unique} unique, "
+            f"{spec.num_tenants} tenants to {out}"
+        )
+        summary = {"requests": len(requests), "blocks": num_blocks, "unique_blocks": num_unique}
+    print(json.dumps({"bench": "workloads", "out": str(out), **summary, "tenants": spec.num_tenants}))
 
 
 if __name__ == "__main__":

@@ -64,13 +64,16 @@ def test_shuffled_tools_are_the_same_tools_in_canonical_form():
 
 
 def test_cli_writes_chat_requests(tmp_path, capsys):
-    out = tmp_path / "chat.jsonl"
+    out = tmp_path / "out" / "chat.jsonl"
     main(
         ["--out", str(out), "--chat", "--num-requests", "30", "--timestamp-share", "1", "--unit-chars", "40"]
     )
-    assert "wrote 30 chat requests" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote 30 chat requests" in printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 30
+    summary = json.loads(printed.strip().splitlines()[-1])  # the last line printed is JSON
+    assert summary == {"bench": "workloads", "out": str(out), "chat_requests": 30, "tenants": 8}
     assert {"timestamp", "tenant", "messages"} <= set(records[0])
     assert all(STAMP.search(r["messages"][0]["content"]) for r in records)
 

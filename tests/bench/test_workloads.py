@@ -57,11 +57,22 @@ def test_later_turns_extend_earlier_prompts():
 
 
 def test_cli_writes_a_loadable_trace(tmp_path, capsys):
-    out = tmp_path / "w.jsonl"
+    out = tmp_path / "out" / "w.jsonl"  # like bench/out/, which a fresh checkout does not have
     main(["--out", str(out), "--num-requests", "50", "--num-tenants", "3", "--message-blocks", "1", "2"])
     requests = load_trace(out)
     assert len(requests) == 50
-    assert "wrote 50 requests" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote 50 requests" in printed
+    # Like every bench, the last line printed is one JSON object (DESIGN.md, "bench/").
+    summary = json.loads(printed.strip().splitlines()[-1])
+    assert summary == {
+        "bench": "workloads",
+        "out": str(out),
+        "requests": 50,
+        "blocks": sum(len(r.hash_ids) for r in requests),
+        "unique_blocks": len({b for r in requests for b in r.hash_ids}),
+        "tenants": 3,
+    }
     assert set(json.loads(out.read_text().splitlines()[0])) == {
         "timestamp",
         "tenant",
