@@ -2,7 +2,7 @@
 
 ``bench.replay``'s ``prefix`` mode is a model of the worker's store. This mode runs the real one, driven
 the way the scheduler drives it, one request at a time: ``match_prefix``, ``acquire`` (which reports the
-hits to the policy deepest block first), ``allocate_many`` (every eviction before any insert), ``cache``
+hits to the policy in prompt order), ``allocate_many`` (every eviction before any insert), ``cache``
 of each new block in prompt order, ``release``. The worker never calls ``on_miss``. A request whose new
 blocks do not all fit gets as many as are free or evictable, as the model stops admitting.
 """

@@ -168,7 +168,10 @@ class BlockManager:
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cached blocks a new sequence reuses (counts as a hit for the policy)."""
         now = self._clock()
-        for block_id in reversed(block_ids):  # deepest first, so ancestors look more recently used
+        # In prompt order, root first, as every owner reports a prompt's blocks: the adaptive default's
+        # shadows count a hit as prefix-usable only when its parent was the access before it (reported
+        # deepest first, none was, and the default never left its first expert in the worker).
+        for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.block_hash is not None, "only cached blocks are shared"
             was_pinned = block.pinned

@@ -50,19 +50,17 @@ def test_the_model_counts_exactly_what_the_block_manager_does_under_lru(isolatio
     assert worker.num_prefix_hits > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BlockManager.acquire reports hits deepest block first; the adaptive default's shadows expect "
-    "prompt order, see no usable hits and never leave their first leader (ARC) in the worker",
-)
-def test_the_adaptive_default_follows_another_expert_in_the_block_manager_as_in_the_model():
+def test_the_adaptive_default_in_the_block_manager_is_the_one_the_model_measures():
+    # BlockManager.acquire used to report hits deepest block first: the default's shadows saw no
+    # prefix-usable hit, never left their first leader and the worker ran ARC, hit for hit (0.1790 here
+    # against the model's 0.1716; now 0.1696). ARC and prefix differ from the model by up to 0.004.
     capacity = int(0.05 * num_unique_blocks(WORKLOAD))
     (part,) = partitions(WORKLOAD, "shared", capacity)
     model_adaptive, worker_adaptive = _both(part.requests, "adaptive", capacity)
-    model_arc, worker_arc = _both(part.requests, "arc", capacity)
-    assert model_adaptive != model_arc  # in the model it leaves ARC for a better expert
-    assert worker_adaptive != worker_arc  # in the worker it is ARC, hit for hit
+    _, worker_arc = _both(part.requests, "arc", capacity)
+    assert worker_adaptive != worker_arc
+    ratio = (model_adaptive.num_prefix_hits - worker_adaptive.num_prefix_hits) / model_adaptive.num_blocks
+    assert abs(ratio) <= 0.004
 
 
 def test_hitrate_cli_runs_the_worker_mode(tmp_path, capsys):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from policies.hashing import BlockHash
-from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.block_manager import BlockManager, NoFreeBlocksError, content_id
 
 
 def h(name: str) -> BlockHash:
@@ -113,6 +113,18 @@ def test_hits_refresh_lru_order():
     bm.acquire(x)  # x is now the most recently used
     bm.release(x)
     assert bm.allocate() == y[0]
+
+
+def test_hits_are_reported_to_the_policy_in_prompt_order():
+    # The adaptive default counts a hit as prefix-usable only when its parent was the access before it.
+    bm = make(num_blocks=4)
+    ids = cache_chain(bm, ["r0", "r1", "r2"])
+    bm.release(ids)
+    seen: list[int] = []
+    on_hit = bm.policy.on_hit
+    bm.policy.on_hit = lambda block_id, now: (seen.append(block_id), on_hit(block_id, now))
+    bm.acquire(ids)
+    assert seen == [content_id(h(name)) for name in ["r0", "r1", "r2"]]
 
 
 def test_blocks_in_use_are_never_evicted():
