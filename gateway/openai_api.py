@@ -190,6 +190,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
         if call.status == 200 and call.usage is not None:  # served: only now may it count for promotion
             request.config_dict[PIPELINE].served(call.prepared)
+        else:  # refused by the worker, failed or cut: no follower may wait for its prefill
+            request.config_dict[PIPELINE].abandon(call.prepared.route_request)
 
 
 Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
@@ -233,14 +235,12 @@ async def _serve(
         endpoint=call.endpoint,
         request_id=call.completion_id,
         x_request_id=call.request_id,
+        # Before routing (a refused request places nothing); OpenAI counts all n choices' max_tokens too.
+        check_tokens=functools.partial(check_token_limit, request, call),
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
-    num_prompt_tokens = len(prepared.prompt_token_ids)
-    # Each of the n choices may generate max_tokens (OpenAI counts them all against the limit too).
-    max_new_tokens = (prepared.sampling.max_tokens or 0) * prepared.sampling.n
-    await check_token_limit(request, call, num_prompt_tokens + max_new_tokens)
-    call.num_prompt_tokens = num_prompt_tokens  # from here on the request counts (a 429 bills nothing)
+    call.num_prompt_tokens = len(prepared.prompt_token_ids)  # from here on it counts (a 429 bills nothing)
     call.prepared = prepared
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:
