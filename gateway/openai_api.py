@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway import choices, openai_format, upstream_serve
 from gateway.admission import admit_choices
-from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
+from gateway.billing import STATUS_CLIENT_CLOSED, UNKNOWN_MODEL, TenantCall, tenant_prices, usage_event
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
@@ -207,11 +207,20 @@ async def _for_model(
     return await asyncio.to_thread(request_tools, parsed, model.tool_style)  # compiles schemas: off the loop
 
 
+def _served_model(request: web.Request, model_id: str) -> str:
+    """The model a usage record names: the request's if this gateway serves it (a bundled worker's or an
+    external upstream's), else ``UNKNOWN_MODEL`` (invented names would each make a report row, for free)."""
+    app = request.config_dict
+    if app[UPSTREAMS].upstream_for(model_id) is not None or app[WORKER_POOL].model(model_id) is not None:
+        return model_id
+    return UNKNOWN_MODEL
+
+
 async def _serve(
     request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
-    call.model, call.end_user = parsed.model, parsed.user
+    call.model, call.end_user = _served_model(request, parsed.model), parsed.user
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
     call.admission_slots = await admit_choices(  # n choices count n requests (gateway/admission.py)
         request.config_dict[ADMISSION],
