@@ -266,6 +266,20 @@ async def test_cli_report_commands(gateway, capsys, monkeypatch):
     await wait_records(gateway, 2)
     code, out, _ = await run_cli(capsys, "report", "usage", "--tenant", "cli-billing", "--by-end-user")
     assert code == 0 and sorted(r["end_user"] for r in json.loads(out)["data"]) == ["ann", "bob"]
+    # The report is paged by the gateway; the command follows the pages (one page with --cursor).
+    report = ("report", "usage", "--tenant", "cli-billing", "--by-end-user", "--limit", "1")
+    code, out, _ = await run_cli(capsys, *report)
+    whole = json.loads(out)
+    assert code == 0 and [r["end_user"] for r in whole["data"]] == ["ann", "bob"] and not whole["has_more"]
+    code, out, _ = await run_cli(capsys, *report, "--format", "csv")
+    assert code == 0 and [line.split(",")[4] for line in out.splitlines()] == ["end_user", "ann", "bob"]
+    first = await (
+        await gateway.get(
+            "/admin/v1/reports/usage", params={"group_by": "end_user", "limit": "1"}, headers=ADMIN
+        )
+    ).json()
+    code, out, _ = await run_cli(capsys, *report, "--cursor", first["next_cursor"])
+    assert code == 0 and [r["end_user"] for r in json.loads(out)["data"]] == ["bob"]
     code, out, _ = await run_cli(capsys, "report", "requests", "--tenant", "cli-billing", "--limit", "1")
     first = json.loads(out)
     assert code == 0 and len(first["data"]) == 1 and first["has_more"] is True
