@@ -22,6 +22,9 @@ from tenancy.policy import TenantPolicy
 from tenancy.usage_types import OUTCOME_COMPLETED, OUTCOME_FORMAT_ERROR, Prices, UsageEvent
 
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client closed the request" (before any answer)
+# The model of a record whose request named no model this gateway serves (or none it could read): a
+# client-chosen string would make a report row of its own per name, for free.
+UNKNOWN_MODEL = "(unknown)"
 
 
 @dataclass(slots=True)
@@ -35,7 +38,7 @@ class TenantCall:
     usage_key: str  # the usage record's unique key (gateway.request_id.usage_key): idempotent writes
     key_id: str | None = None
     end_user: str | None = None  # the request's `user` field
-    model: str = ""
+    model: str = UNKNOWN_MODEL  # set once the model resolves (a bundled worker's or an upstream's)
     status: int = 200  # HTTP status (a server-cut stream keeps its 200; a client hang-up is 499)
     outcome: str | None = None  # who ended it (tenancy.usage_types.OUTCOMES); None: not decided yet
     headers_sent: bool = False  # a stream's 200 went out

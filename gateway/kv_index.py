@@ -107,6 +107,11 @@ class PrefixIndex:
             if not waiters:
                 self._waiters.pop((url, block_hash), None)
 
+    def release(self, url: str, block_hash: bytes) -> None:
+        """Stop the waits for ``block_hash`` on ``url`` (False): the request that was to compute it there
+        will not (refused, failed or cancelled), so its followers compute it themselves."""
+        self._wake(url, block_hash, False)
+
     def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
         for future in self._waiters.pop((url, block_hash), []):
             if not future.done():

@@ -7,7 +7,9 @@ request's own namespace keys (its tenant key, plus the global key when its prefi
 nominated. Each nominee is verified on tokens (``policies.near_miss``): only the blocks the two prompts
 share exactly, under the same keys, count; the request goes to the nominee's worker if that beats the
 exact route. An index is keyed by namespace *key*, so no search ever sees another tenant's prompts (nor
-this tenant's prompts of an earlier epoch).
+this tenant's prompts of an earlier epoch) - except the `shared` tenants', who share the global key and
+its cache by choice: their prompts nominate each other's routes, but each is remembered with its tenant,
+only the tenant's own make its findings, and a deleted tenant's are dropped from the global key.
 
 FAISS is on only with a wait bound (``max_wait_s`` > 0; default 0): then cold prompts are also embedded
 in the background (``gateway.embedding``, its own thread) into a FAISS inner-product index per key, and
@@ -62,6 +64,7 @@ class Remembered:
     layout: SegmentLayout  # its namespace segments (start token, key)
     worker_url: str
     own_key: bytes  # the key it is indexed under (its last segment's)
+    tenant_id: str  # whose prompt it is: every `shared` tenant's key is the global one
 
 
 class NamespaceVectors:
@@ -81,9 +84,11 @@ class NamespaceVectors:
         return len(self._entries)
 
     def add(self, vector: np.ndarray, entry: Remembered) -> None:
-        digest = blake3.blake3(entry.token_ids.tobytes() + entry.worker_url.encode()).digest(16)
+        digest = blake3.blake3(
+            entry.token_ids.tobytes() + entry.worker_url.encode() + b"\0" + entry.tenant_id.encode()
+        ).digest(16)
         known = self._id_of.get(digest)
-        if known is not None:  # the same prompt on the same worker: just keep it fresh
+        if known is not None:  # the same tenant's prompt on the same worker: just keep it fresh
             self._entries.move_to_end(known)
             return
         entry_id, self._next_id = self._next_id, self._next_id + 1
@@ -93,6 +98,18 @@ class NamespaceVectors:
             oldest, _ = self._entries.popitem(last=False)
             del self._id_of[self._digest_of.pop(oldest)]
             self._index.remove_ids(np.array([oldest], dtype=np.int64))
+
+    def num_of(self, tenant_id: str) -> int:
+        return sum(1 for entry in self._entries.values() if entry.tenant_id == tenant_id)
+
+    def remove_tenant(self, tenant_id: str) -> None:
+        """Drop one tenant's prompts (a `shared` tenant's, from the global key's index)."""
+        gone = [entry_id for entry_id, entry in self._entries.items() if entry.tenant_id == tenant_id]
+        for entry_id in gone:
+            del self._entries[entry_id]
+            del self._id_of[self._digest_of.pop(entry_id)]
+        if gone:
+            self._index.remove_ids(np.array(gone, dtype=np.int64))
 
     def search(self, vector: np.ndarray, k: int) -> list[tuple[float, Remembered]]:
         if not self._entries:
@@ -141,7 +158,8 @@ class NearMissRouting:
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
         # Which (model, key) pairs each tenant's prompts are remembered under, and the tenant epoch
-        # they were remembered at: a purge or invalidation (an epoch bump) drops them all.
+        # they were remembered at: a purge or invalidation (an epoch bump) drops them all (under the
+        # global key, which every `shared` tenant uses, only the tenant's own prompts).
         self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
         self._epoch_of: dict[str, int] = {}
         self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
@@ -293,11 +311,16 @@ class NearMissRouting:
         own_key = bytes(segments[-1].key)
         if own_key in self._forgotten:  # its tenant was purged after the request was prepared
             return
-        if own_key != GLOBAL_NAMESPACE_KEY:  # the shared pool's prompts are no one tenant's to forget
-            self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
+        self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
         if self._sweeper is None and self._policies is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
-        entry = Remembered(token_ids=tokens, layout=layout_of(segments), worker_url=url, own_key=own_key)
+        entry = Remembered(
+            token_ids=tokens,
+            layout=layout_of(segments),
+            worker_url=url,
+            own_key=own_key,
+            tenant_id=tenant.tenant_id,
+        )
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
@@ -323,6 +346,8 @@ class NearMissRouting:
     def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
         if entry.own_key in self._forgotten:  # embedded after its tenant was purged
             return
+        if (model_id, entry.own_key) not in self._keys_of.get(entry.tenant_id, ()):  # tenant forgotten since
+            return
         vectors = self._vectors.get((model_id, entry.own_key))
         if vectors is None:
             vectors = NamespaceVectors(EMBEDDING_DIM, self._capacity)
@@ -338,7 +363,8 @@ class NearMissRouting:
         """Prompts remembered (embedded) over every namespace, or one tenant's (tests, benchmarks)."""
         if tenant_id is None:
             return sum(len(vectors) for vectors in self._vectors.values())
-        return sum(len(self._vectors.get(pair, ())) for pair in self._keys_of.get(tenant_id, ()))
+        pairs = self._keys_of.get(tenant_id, ())
+        return sum(vectors.num_of(tenant_id) for pair in pairs if (vectors := self._vectors.get(pair)))
 
     # ---- findings ------------------------------------------------------------------------------
     def _record_finding(
@@ -350,13 +376,15 @@ class NearMissRouting:
         nominees: Sequence[Remembered],
         block_size: int,
     ) -> None:
-        """Keep where the request parted from its closest prompt of the same namespace (one per request)."""
+        """Keep where the request parted from its closest prompt of the same tenant and namespace (one per
+        request). Never another tenant's: a finding shows the other prompt's text, and every `shared`
+        tenant's key is the global one."""
         own_key, layout = bytes(segments[-1].key), layout_of(segments)
         if own_key in self._forgotten:  # its tenant was purged after the request was prepared
             return
         closest: tuple[int, Remembered] | None = None
         for entry in nominees:
-            if entry.own_key == own_key:
+            if entry.own_key == own_key and entry.tenant_id == tenant.tenant_id:
                 lcp = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).lcp_tokens
                 if closest is None or lcp > closest[0]:
                     closest = (lcp, entry)
@@ -399,10 +427,22 @@ class NearMissRouting:
 
     def _forget_local(self, tenant_id: str) -> None:
         for pair in self._keys_of.pop(tenant_id, ()):
+            if pair[1] == GLOBAL_NAMESPACE_KEY:  # the shared pool's key stays: drop this tenant's prompts
+                self._forget_shared(pair, tenant_id)
+                continue
             self._recent.pop(pair, None)
             self._vectors.pop(pair, None)
             self._forgotten.add(pair[1])
         self._findings.forget_local(tenant_id)
+
+    def _forget_shared(self, pair: tuple[str, bytes], tenant_id: str) -> None:
+        recent = self._recent.get(pair)
+        if recent is not None:
+            kept = [entry for entry in recent if entry.tenant_id != tenant_id]
+            self._recent[pair] = deque(kept, maxlen=recent.maxlen)
+        vectors = self._vectors.get(pair)
+        if vectors is not None:
+            vectors.remove_tenant(tenant_id)
 
     def sweep(self) -> None:
         """Forget the remembered tenants whose epoch moved, who opted out or who were deleted."""

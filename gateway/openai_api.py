@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway import choices, openai_format, upstream_serve
 from gateway.admission import admit_choices
+<<<<<<< HEAD
 from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
 from gateway.errors import (
     APIError,
@@ -23,6 +24,10 @@ from gateway.errors import (
     ResponseFormatError,
     Unavailable,
 )
+=======
+from gateway.billing import STATUS_CLIENT_CLOSED, UNKNOWN_MODEL, TenantCall, tenant_prices, usage_event
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
+>>>>>>> fix1
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -201,6 +206,8 @@ def _record(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
         _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
         if call.status == 200 and call.usage is not None:  # served: only now may it count for promotion
             request.config_dict[PIPELINE].served(call.prepared)
+        else:  # refused by the worker, failed or cut: no follower may wait for its prefill
+            request.config_dict[PIPELINE].abandon(call.prepared.route_request)
 
 
 Formatter = Callable[[PreparedRequest, list[dict[str, Any]]], dict[str, Any]]
@@ -236,11 +243,20 @@ async def _for_model(
     return await asyncio.to_thread(request_tools, parsed, model.tool_style)  # compiles schemas: off the loop
 
 
+def _served_model(request: web.Request, model_id: str) -> str:
+    """The model a usage record names: the request's if this gateway serves it (a bundled worker's or an
+    external upstream's), else ``UNKNOWN_MODEL`` (invented names would each make a report row, for free)."""
+    app = request.config_dict
+    if app[UPSTREAMS].upstream_for(model_id) is not None or app[WORKER_POOL].model(model_id) is not None:
+        return model_id
+    return UNKNOWN_MODEL
+
+
 async def _serve(
     request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
 ) -> web.StreamResponse:
     pipeline = request.config_dict[PIPELINE]
-    call.model, call.end_user = parsed.model, parsed.user
+    call.model, call.end_user = _served_model(request, parsed.model), parsed.user
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
     call.admission_slots = await admit_choices(  # n choices count n requests (gateway/admission.py)
         request.config_dict[ADMISSION],
@@ -264,14 +280,12 @@ async def _serve(
         endpoint=call.endpoint,
         request_id=call.completion_id,
         x_request_id=call.request_id,
+        # Before routing (a refused request places nothing); OpenAI counts all n choices' max_tokens too.
+        check_tokens=functools.partial(check_token_limit, request, call),
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
-    num_prompt_tokens = len(prepared.prompt_token_ids)
-    # Each of the n choices may generate max_tokens (OpenAI counts them all against the limit too).
-    max_new_tokens = (prepared.sampling.max_tokens or 0) * prepared.sampling.n
-    await check_token_limit(request, call, num_prompt_tokens + max_new_tokens)
-    call.num_prompt_tokens = num_prompt_tokens  # from here on the request counts (a 429 bills nothing)
+    call.num_prompt_tokens = len(prepared.prompt_token_ids)  # from here on it counts (a 429 bills nothing)
     call.prepared = prepared
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:

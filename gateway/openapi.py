@@ -297,7 +297,7 @@ def openapi_spec() -> dict[str, Any]:
         },
         "/admin/v1/reports/usage": {
             "get": _op(
-                "Usage and hit-rate report",
+                "Usage and hit-rate report, paged with a cursor (totals of the whole report)",
                 security=admin,
                 params=[
                     _query("tenant_id", {"type": "string"}),
@@ -305,6 +305,8 @@ def openapi_spec() -> dict[str, Any]:
                     _query("end", {"type": "string", "format": "date-time"}),
                     _query("granularity", {"type": "string", "enum": ["hour", "day"]}),
                     _query("group_by", {"type": "string", "enum": ["key", "end_user"]}),
+                    _query("cursor", {"type": "string"}),
+                    _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
                     _query("format", {"type": "string", "enum": ["json", "csv"]}),
                 ],
             )

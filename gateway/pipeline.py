@@ -1,8 +1,9 @@
 """The request pipeline: what happens between an authenticated request and the worker.
 
     parse → prompt-size check → prompt steps (canonicalization) → render chat template → tokenize
-          → context-window check → promoted-prefix length (hot-prefix promotion) → namespace segments
-          → route → worker payload → generate (non-stream or stream, cancelled when the client goes away)
+          → context-window check → tokens-per-minute check → promoted-prefix length (hot-prefix promotion)
+          → namespace segments → route → worker payload
+          → generate (non-stream or stream, cancelled when the client goes away)
           → served: counted towards hot-prefix promotion
 
 The prompt-size check runs before any rendering; rendering, canonicalization and tokenizing run on
@@ -131,6 +132,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     worker_url: str
+    route_request: RouteRequest | None = None  # what the router placed (abandon drops a cold placement)
     num_canonicalized: int = 0  # fragments moved (the x-prefixgate-canonicalized header)
     num_reported: int = 0  # fragments found and left in place ("report" mode)
     promoted_prefix_tokens: int = 0  # tokens hashed in the promoted namespace as a promoted hot prefix
@@ -382,6 +384,17 @@ class RequestPipeline:
             await self._prefix_index.wait_stored(worker_url, route_request.head_block, hold_s)
         return worker_url
 
+    def abandon(self, route_request: RouteRequest | None) -> None:
+        """The request will not compute its prefix where it was placed (refused, failed, cancelled or sent
+        elsewhere): drop the cold placement it made, if still its own, and release the followers already
+        waiting for it there (``KVAwareRouter.drop_placement``), so no one waits for a prefill nobody runs."""
+        drop_placement = getattr(self._router, "drop_placement", None)
+        if route_request is None or drop_placement is None:
+            return
+        url = drop_placement(route_request)
+        if url is not None and self._prefix_index is not None and route_request.head_block is not None:
+            self._prefix_index.release(url, route_request.head_block)
+
     async def prepare(
         self,
         tenant: TenantPolicy,
@@ -390,7 +403,10 @@ class RequestPipeline:
         endpoint: str,
         request_id: str,
         x_request_id: str = "",
+        check_tokens: Callable[[int], Awaitable[None]] | None = None,
     ) -> PreparedRequest:
+        """Everything up to the worker's payload. ``check_tokens(prompt + n × max_tokens)`` (the tokens per
+        minute limit) runs before routing: a refused request places no prefix that others would wait for."""
         model = self.resolve_model(request.model)
         self.check_prompt_size(request, model)
         prompt: RenderedPrompt = await self.run_cpu(
@@ -398,17 +414,26 @@ class RequestPipeline:
         )
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
+        if check_tokens is not None:  # each of the n choices may generate max_tokens
+            await check_tokens(len(token_ids) + (sampling.max_tokens or 0) * sampling.n)
         run_cpu = functools.partial(self.run_cpu, owner=tenant.tenant_id)
         promotion = await self._promotion.match(tenant, model, prompt, run_cpu=run_cpu)
         promoted = promotion.promoted_prefix_tokens
         segments = self.segments(tenant, promoted_prefix_tokens=promoted)
         route_request = self.route_request(model, token_ids, segments, request.prompt_cache_key)
+        route_request = replace(route_request, request_id=request_id)
         worker_url = await self.choose_worker(route_request)
         near_miss_exact_tokens = None
         if self._near_miss is not None and tenant.near_miss_routing:
-            near_miss = await self._near_miss.route(
-                tenant, model, token_ids, segments, route_request, worker_url
-            )
+            try:
+                near_miss = await self._near_miss.route(
+                    tenant, model, token_ids, segments, route_request, worker_url
+                )
+            except BaseException:  # cancelled while it waited for an embedding
+                self.abandon(route_request)
+                raise
+            if near_miss.worker_url != worker_url:  # the prefix is computed there, not where it was placed
+                self.abandon(route_request)
             worker_url, near_miss_exact_tokens = near_miss.worker_url, near_miss.exact_tokens
         return PreparedRequest(
             request_id=request_id,
@@ -421,6 +446,7 @@ class RequestPipeline:
             stream=request.stream,
             include_usage=request.include_usage,
             worker_url=worker_url,
+            route_request=route_request,
             num_canonicalized=prompt.num_moved,
             num_reported=prompt.num_reported,
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
@@ -450,6 +476,7 @@ class RequestPipeline:
         state = self._pool.workers[prepared.worker_url]
         if isinstance(error, WorkerDisconnected) and (len(tried) > 1 or not await state.client.is_dead()):
             raise error
+        self.abandon(prepared.route_request)  # its prefix will not be computed where it was placed
         if error.code in ("worker_unreachable", "worker_disconnected"):  # dead: stop routing there
             state.mark_lost(error.message, end_requests=False)  # its other requests retry by themselves
         candidates = [c for c in self._pool.candidates(prepared.model.model_id) if c.url not in tried]

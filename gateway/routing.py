@@ -40,6 +40,7 @@ class RouteRequest:
     num_prompt_tokens: int = 0
     block_size: int = 16
     head_block: bytes | None = None  # hash of the last block of the affinity head (KV-event index on)
+    request_id: str = ""  # whose request: only its own failure drops a placement it made (drop_placement)
 
 
 class Router(Protocol):
@@ -125,9 +126,10 @@ class KVAwareRouter:
     cold_in_flight_slack: int = 1  # a cold prefix avoids the busier of its two workers past this gap
     leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
     clock: Callable[[], float] = time.monotonic
-    # key -> (url, placed at, head block): a follower holds only for the same head (a prompt_cache_key
-    # groups different prompts under one key; one of them waited the full hold for a head nobody computed)
-    _placed: OrderedDict[bytes, tuple[str, float, bytes | None]] = field(default_factory=OrderedDict)
+    # key -> (url, placed at, head block, request id): a follower holds only for the same head (a
+    # prompt_cache_key groups different prompts under one key; one of them waited the full hold for a head
+    # nobody computed), and only while the leader may still compute it (drop_placement)
+    _placed: OrderedDict[bytes, tuple[str, float, bytes | None, str]] = field(default_factory=OrderedDict)
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
@@ -180,10 +182,22 @@ class KVAwareRouter:
             least = min(worker.write_pressure_blocks for worker in choices)
             tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt writes
             url = next(w.url for w in choices if w.write_pressure_blocks <= least + tolerance)
-        self._placed[key] = (url, now, request.head_block)
+        self._placed[key] = (url, now, request.head_block, request.request_id)
         if len(self._placed) > self.remembered_placements:
             self._placed.popitem(last=False)
         return url, 0.0
+
+    def drop_placement(self, request: RouteRequest) -> str | None:
+        """Forget the cold placement ``request`` made, if it is still the one remembered (its request id):
+        the request was refused, failed, cancelled or sent elsewhere, so its prefix may never be computed
+        there and no follower may wait for it. A follower's failure leaves its leader's placement.
+        Returns the url of the placement dropped (None: none)."""
+        key = request.affinity_key
+        placed = self._placed.get(key) if key is not None and request.request_id else None
+        if placed is None or placed[3] != request.request_id:
+            return None
+        del self._placed[key]
+        return placed[0]
 
 
 def _rank(affinity_key: bytes, url: str) -> bytes:

@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import select
 
 from gateway.app import create_app
+from gateway.billing import UNKNOWN_MODEL
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.models import UsageRecord
 from tests.gateway.conftest import ADMIN, create_tenant, make_config
@@ -118,6 +119,28 @@ async def test_requests_refused_before_any_work_cost_nothing(gateway):
     [row] = await wait_records(gateway, 1)
     assert row.outcome == "client_error" and row.status == 400
     assert (row.prompt_tokens, row.completion_tokens, row.cost_total) == (0, 0, 0.0)
+
+
+async def test_model_names_no_one_serves_make_no_report_rows_of_their_own(gateway):
+    """A 404 stored the client's model string and the report groups by model: 50 junk names made 50
+    rows (for free), forever. Only a model the gateway serves names a record; others are "(unknown)"."""
+    tenant = await create_tenant(gateway, name="junk")
+
+    async def junk(i: int) -> int:
+        body = chat_body("hi") | {"model": f"no-such-model-{i:05d}"}
+        response = await gateway.post("/v1/chat/completions", json=body, headers=auth(tenant["api_key"]))
+        await response.read()
+        return response.status
+
+    assert set(await asyncio.gather(*(junk(i) for i in range(50)))) == {404}
+    served = await gateway.post("/v1/chat/completions", json=chat_body("hi"), headers=auth(tenant["api_key"]))
+    assert served.status == 200, await served.text()
+    await gateway.app[USAGE_WRITER].flush()
+    report = await gateway.get(f"/admin/v1/reports/usage?tenant_id={tenant['id']}", headers=ADMIN)
+    rows = {row["model"]: row for row in (await report.json())["data"]}
+    assert sorted(rows) == sorted([UNKNOWN_MODEL, MODEL])
+    assert (rows[UNKNOWN_MODEL]["requests"], rows[UNKNOWN_MODEL]["errors"]) == (50, 50)
+    assert rows[UNKNOWN_MODEL]["cost_total"] == 0.0 and rows[MODEL]["requests"] == 1
 
 
 def worker_pid(url: str) -> int:
@@ -243,6 +266,20 @@ async def test_cli_report_commands(gateway, capsys, monkeypatch):
     await wait_records(gateway, 2)
     code, out, _ = await run_cli(capsys, "report", "usage", "--tenant", "cli-billing", "--by-end-user")
     assert code == 0 and sorted(r["end_user"] for r in json.loads(out)["data"]) == ["ann", "bob"]
+    # The report is paged by the gateway; the command follows the pages (one page with --cursor).
+    report = ("report", "usage", "--tenant", "cli-billing", "--by-end-user", "--limit", "1")
+    code, out, _ = await run_cli(capsys, *report)
+    whole = json.loads(out)
+    assert code == 0 and [r["end_user"] for r in whole["data"]] == ["ann", "bob"] and not whole["has_more"]
+    code, out, _ = await run_cli(capsys, *report, "--format", "csv")
+    assert code == 0 and [line.split(",")[4] for line in out.splitlines()] == ["end_user", "ann", "bob"]
+    first = await (
+        await gateway.get(
+            "/admin/v1/reports/usage", params={"group_by": "end_user", "limit": "1"}, headers=ADMIN
+        )
+    ).json()
+    code, out, _ = await run_cli(capsys, *report, "--cursor", first["next_cursor"])
+    assert code == 0 and [r["end_user"] for r in json.loads(out)["data"]] == ["bob"]
     code, out, _ = await run_cli(capsys, "report", "requests", "--tenant", "cli-billing", "--limit", "1")
     first = json.loads(out)
     assert code == 0 and len(first["data"]) == 1 and first["has_more"] is True

@@ -186,3 +186,32 @@ async def test_near_miss_never_holds_a_request_longer_than_its_wait_bound(
     await wait_until(lambda: near_miss.num_remembered() == 2)
     assert near_miss.embedder.backend == "sentence-transformers"
     await sdk.close()
+
+
+async def test_a_shared_tenants_near_miss_findings_never_show_another_tenants_prompt(
+    aiohttp_client, sqlite_url, tmp_path, worker_url
+):
+    """Two `shared` tenants (one global key) send the same 48 tokens, then their own tails: bob's findings,
+    through the lint endpoint and the admin API, held alice's next 12 tokens, decoded."""
+    config = make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), router="rendezvous", kv_index=False)
+    client = await aiohttp_client(create_app(config))
+    alice = await create_tenant(client, name="alice", isolation="shared", near_miss_routing=True)
+    bob = await create_tenant(client, name="bob", isolation="shared", near_miss_routing=True)
+    rng = random.Random(5)
+    common = [rng.randrange(1, 200) for _ in range(3 * BLOCK)]  # e.g. a public system prompt
+    tails = {tenant["id"]: [rng.randrange(1, 200) for _ in range(3 * BLOCK)] for tenant in (alice, bob)}
+    for tenant in (alice, bob):
+        sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
+        await complete(sdk, common + tails[tenant["id"]])
+        await sdk.close()
+    lint = await client.post(
+        "/v1/prompt-lint",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Authorization": f"Bearer {bob['api_key']}"},
+    )
+    assert lint.status == 200, await lint.text()
+    admin = await client.get(f"/admin/v1/tenants/{bob['id']}/near-miss", headers=ADMIN)
+    assert admin.status == 200, await admin.text()
+    # Bob never sent alice's tokens, and has no earlier prompt of his own to part from.
+    assert (await lint.json())["near_miss_findings"] == []
+    assert (await admin.json())["data"] == []

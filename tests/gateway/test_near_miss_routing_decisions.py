@@ -15,6 +15,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.near_miss import NearMissRouting
 from gateway.routing import RouteRequest, WorkerLoad
 from policies.hashing import NamespaceKey, NamespaceSegment
+from policies.isolation import GLOBAL_NAMESPACE_KEY
 from tenancy.policy import TenantPolicy
 from tests.gateway.test_gateway_model import runtime  # noqa: F401 - fixture
 
@@ -167,3 +168,43 @@ async def test_a_tenant_purged_while_its_request_awaits_an_embedding_is_not_reme
     assert routing.num_remembered(TENANT.tenant_id) == 0
     assert not routing._recent and not routing._keys_of and await routing.findings(TENANT.tenant_id) == []
     await routing.close()
+
+
+SHARED_SEGMENTS = (
+    NamespaceSegment(start_token=0, namespace_id="global", key=NamespaceKey(GLOBAL_NAMESPACE_KEY)),
+)
+ALICE = TenantPolicy(tenant_id="tn_alice", name="alice", isolation="shared", near_miss_routing=True)
+BOB = TenantPolicy(tenant_id="tn_bob", name="bob", isolation="shared", near_miss_routing=True)
+
+
+async def test_a_shared_tenants_findings_never_hold_another_shared_tenants_prompt(near_miss, runtime):  # noqa: F811
+    """Every `shared` tenant's key is the global one: findings matched nominees by key, so bob's finding
+    held alice's next 12 tokens, decoded. Routing may still use her prompt; findings may not."""
+    alices, bobs = prompt_pair(5)
+    await near_miss.route(ALICE, runtime, alices, SHARED_SEGMENTS, request(), URLS[0])
+    await near_miss.route(BOB, runtime, bobs, SHARED_SEGMENTS, request(), URLS[1])
+    await asyncio.sleep(0)  # the findings store records in a task
+    assert await near_miss.findings(BOB.tenant_id) == []
+    # Bob's own near miss is still found (against his own earlier prompt only).
+    again = bobs[: 6 * BLOCK] + [t + 1 for t in bobs[6 * BLOCK :]]
+    await near_miss.route(BOB, runtime, again, SHARED_SEGMENTS, request(), URLS[2])
+    await asyncio.sleep(0)
+    findings = await near_miss.findings(BOB.tenant_id)
+    assert [f["other"] for f in findings] == [runtime.decode(bobs[6 * BLOCK : 6 * BLOCK + 12])]
+    assert await near_miss.findings(ALICE.tenant_id) == []
+
+
+async def test_a_deleted_shared_tenants_prompts_are_forgotten_from_the_global_key(near_miss, runtime):  # noqa: F811
+    alices, bobs = prompt_pair(6)
+    await near_miss.route(ALICE, runtime, alices, SHARED_SEGMENTS, request(), URLS[0])
+    await near_miss.route(BOB, runtime, bobs, SHARED_SEGMENTS, request(), URLS[1])
+    for entry in near_miss._recent_of(runtime.model_id, SHARED_SEGMENTS):
+        near_miss._add(runtime.model_id, entry, _unit())
+    assert near_miss.num_remembered(ALICE.tenant_id) == 1 and near_miss.num_remembered() == 2
+    await near_miss.forget_tenant(ALICE.tenant_id)  # the admin deletes alice
+    remaining = near_miss._recent_of(runtime.model_id, SHARED_SEGMENTS)
+    assert [entry.token_ids.tolist() for entry in remaining] == [bobs]
+    assert near_miss.num_remembered(ALICE.tenant_id) == 0 and near_miss.num_remembered() == 1
+    # The global key itself is never forgotten: bob (and alice, were she re-created) are remembered still.
+    await near_miss.route(BOB, runtime, alices, SHARED_SEGMENTS, request(), URLS[2])
+    assert len(near_miss._recent_of(runtime.model_id, SHARED_SEGMENTS)) == 2

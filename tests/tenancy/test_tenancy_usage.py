@@ -10,7 +10,14 @@ from sqlalchemy import func, select
 from migrations import upgrade_database_async
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.models import UsageRecord
-from tenancy.reports import export_requests, report_to_csv, report_totals, usage_report
+from tenancy.reports import (
+    export_requests,
+    report_to_csv,
+    report_totals,
+    usage_report,
+    usage_report_page,
+    usage_totals,
+)
 from tenancy.spool import UsageSpool
 from tenancy.usage import UsageWriter, insert_usage
 from tenancy.usage_types import Prices, UsageEvent
@@ -295,3 +302,47 @@ def test_a_record_not_billable_keeps_its_tokens_at_no_cost_through_the_spool(tmp
     row = unbilled.to_row()
     assert (row["prompt_tokens"], row["completion_tokens"], row["cost_total"]) == (100, 10, 0.0)
     assert billed.billable and billed.to_row()["cost_total"] > 0
+
+
+async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db_url):
+    """The report was one unbounded answer (a row per end user per hour: 100,000 users, 56 MB). Pages
+    follow a cursor over the row order (keys that are NULL or empty included) and miss or repeat no
+    row; the totals are the whole report's, whichever page they come with."""
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    hour = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
+    users = [None, "", *(f"u{i:02d}" for i in range(9))]
+    await insert_usage(
+        sessionmaker,
+        [
+            event(
+                f"p{i}",
+                key_id=(None, "key_1")[i % 2],
+                end_user=users[i % len(users)],
+                created_at=hour + timedelta(hours=i % 2),
+                prices=DEFAULTS,
+            )
+            for i in range(40)
+        ],
+    )
+    whole = await usage_report(sessionmaker, granularity="hour", by_end_user=True)
+    assert len(whole) > 20
+    pages, cursor = [], None
+    while True:
+        page = await usage_report_page(
+            sessionmaker, granularity="hour", by_end_user=True, cursor=cursor, limit=3
+        )
+        pages.append(page)
+        if not page.has_more:
+            break
+        cursor = page.next_cursor
+    assert [row for page in pages for row in page.rows] == whole
+    assert all(len(page.rows) == 3 for page in pages[:-1]) and pages[-1].next_cursor is None
+    totals = await usage_totals(sessionmaker)
+    assert totals == pytest.approx(report_totals(whole)) and totals["requests"] == 40
+    with pytest.raises(ValueError):  # a cursor of the other grouping is not one of this report's
+        await usage_report_page(sessionmaker, cursor=pages[0].next_cursor, limit=3)
+    for bad in ("abc", "WzFd", "W251bGxd"):
+        with pytest.raises(ValueError):
+            await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
+    await engine.dispose()
