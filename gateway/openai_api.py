@@ -14,8 +14,7 @@ from aiohttp import web
 
 from gateway import choices, openai_format, upstream_serve
 from gateway.admission import admit_choices
-<<<<<<< HEAD
-from gateway.billing import STATUS_CLIENT_CLOSED, TenantCall, tenant_prices, usage_event
+from gateway.billing import STATUS_CLIENT_CLOSED, UNKNOWN_MODEL, TenantCall, tenant_prices, usage_event
 from gateway.errors import (
     APIError,
     AuthenticationError,
@@ -24,10 +23,6 @@ from gateway.errors import (
     ResponseFormatError,
     Unavailable,
 )
-=======
-from gateway.billing import STATUS_CLIENT_CLOSED, UNKNOWN_MODEL, TenantCall, tenant_prices, usage_event
-from gateway.errors import APIError, AuthenticationError, InvalidRequest, RateLimited, Unavailable
->>>>>>> fix1
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
