@@ -19,6 +19,7 @@ from policies.hashing import block_hashes, segment_at
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig
 from worker.kv_events import KVEventLog
+from worker.purge_fence import PurgeFence
 from worker.sequence import Sequence
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
@@ -79,10 +80,20 @@ def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fin
         store.start_prefetch(plan)
 
 
-def finish_prefetch(store: TieredStore, seq: Sequence | None, result: PrefetchResult) -> None:
-    """A prefetch landed: offer its blocks to L2 and hand them to the waiting request (if still there)."""
+def finish_prefetch(
+    store: TieredStore, seq: Sequence | None, result: PrefetchResult, fence: PurgeFence
+) -> None:
+    """A prefetch landed: offer its blocks to L2 and hand them to the waiting request (if still there).
+
+    Blocks of a namespace purged since the request arrived are dropped (read before the purge erased
+    them), with the rest of the run after them.
+    """
     if seq is None:
         return
+    for k, namespace_id in enumerate(result.namespace_ids):
+        if fence.purged_since(namespace_id, seq.purge_tag):
+            result = result.head(k)
+            break
     seq.block_origins.update(store.finish_prefetch(result))
     seq.prefetched = result if result.records else None
     seq.prefetching = False

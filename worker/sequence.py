@@ -73,6 +73,7 @@ class Sequence:
     matcher: Any = None  # llguidance.LLMatcher of ``sampling.grammar`` (engine thread only)
     grammar_complete: bool = False  # the grammar allows nothing more: the request stops
     in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
+    purge_tag: int = 0  # worker.purge_fence tag at arrival: blocks of a namespace purged since are dropped
 
     @property
     def namespace_id(self) -> str:

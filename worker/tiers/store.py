@@ -80,6 +80,17 @@ class PrefetchResult:
     namespace_ids: list[str]
     data: torch.Tensor | None
 
+    def head(self, num_blocks: int) -> PrefetchResult:
+        """The first ``num_blocks`` blocks of the run."""
+        return PrefetchResult(
+            request_id=self.request_id,
+            start=self.start,
+            records=self.records[:num_blocks],
+            sources=self.sources[:num_blocks],
+            namespace_ids=self.namespace_ids[:num_blocks],
+            data=self.data[:num_blocks] if num_blocks and self.data is not None else None,
+        )
+
 
 class Bandwidth:
     """Exponential moving average of measured bytes/s (starts from a prior)."""
