@@ -419,10 +419,23 @@ class TieredStore:
         self.copier.close()
 
     def remote_tier(self) -> dict[str, Any] | None:
-        """The shared Redis tier as KV-event consumers see it: its id and how long a block lives unread."""
+        """The shared Redis tier as KV-event consumers see it: its id, how long a block lives unread and
+        how many blocks its budget holds (the gateway's bound on what it remembers of the tier)."""
         if self.remote is None or self.remote.tier_id is None:
             return None
-        return {"id": self.remote.tier_id, "ttl_s": self.config.remote_ttl_s}
+        per_block = self.remote.codec.payload_bytes(self.block_shape, self.dtype)
+        return {
+            "id": self.remote.tier_id,
+            "ttl_s": self.config.remote_ttl_s,
+            "capacity_blocks": self.remote.budget_bytes // per_block,
+        }
+
+    def capacity_blocks(self) -> dict[str, int]:
+        """Blocks L2 and L3 can hold (their budgets), for the gateway's bound on a worker's index entry."""
+        out = {"L2": self.l2.capacity_blocks}
+        if self.disk is not None:
+            out["L3"] = self.disk.budget_bytes // self.disk.block_payload_bytes
+        return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
