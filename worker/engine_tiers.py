@@ -77,6 +77,7 @@ def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fin
     plan = store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
     if plan is not None:
         seq.prefetching = True
+        plan.owner = seq.namespace_id
         store.start_prefetch(plan)
 
 

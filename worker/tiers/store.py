@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.disk import DiskTier
 from worker.tiers.entry import BlockRecord, CorruptEntry
 from worker.tiers.host import DemotedBlock, HostTier
+from worker.tiers.prefetch_queue import FairQueue
 from worker.tiers.remote import RemoteTier
 from worker.tiers.transfer import Copier, Transfer
 
@@ -69,6 +69,7 @@ class PrefetchPlan:
     disk_reads: list[tuple[int, list[int]]] = field(default_factory=list)  # (file id, positions), in order
     disk_blocks: int = 0
     use_remote: bool = False
+    owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
 
 
 @dataclass(slots=True)
@@ -177,7 +178,12 @@ class TieredStore:
         self.dropped_demotions = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
+        self._prefetches: FairQueue[PrefetchPlan] = FairQueue()
+        self._readers = [
+            threading.Thread(target=self._read_loop, name=f"kv-prefetch-{i}", daemon=True) for i in range(2)
+        ]
+        for reader in self._readers:
+            reader.start()
 
     # ---- cost gate -------------------------------------------------------------------------------
     def _calibrate_copy(self) -> float:
@@ -284,7 +290,15 @@ class TieredStore:
         return plan if plan.disk_blocks or plan.use_remote else None
 
     def start_prefetch(self, plan: PrefetchPlan) -> None:
-        self._readers.submit(self._fetch, plan)
+        """Queue the reads (``prefetch_queue``: behind the owner's earlier prefetches only)."""
+        self._prefetches.put(plan.owner, plan)
+
+    def _read_loop(self) -> None:
+        while (plan := self._prefetches.get()) is not None:
+            try:
+                self._fetch(plan)
+            except Exception:  # a reader must outlive any one prefetch
+                log.exception("prefetch of %s failed", plan.request_id)
 
     def _fetch(self, plan: PrefetchPlan) -> None:
         records: list[BlockRecord] = []
@@ -415,7 +429,9 @@ class TieredStore:
     def close(self) -> None:
         self._writes.put(None)
         self._writer.join(timeout=30)
-        self._readers.shutdown(wait=True)
+        self._prefetches.close()
+        for reader in self._readers:
+            reader.join(timeout=30)
         self.copier.close()
 
     def remote_tier(self) -> dict[str, Any] | None:
