@@ -381,7 +381,7 @@ class Engine:
             for seq in self._sequences.values():  # what waiting requests prefetched of it is dropped too
                 fetched = seq.prefetched if seq.status is Status.WAITING else None
                 if fetched is not None and namespace_id in fetched.namespace_ids:
-                    seq.prefetched = None
+                    self.store.drop_prefetched(seq)  # type: ignore[union-attr]
             erased = {"l1": self.block_manager.purge(namespace_id)}
             if self.store is not None:
                 erased |= self.store.purge_local(namespace_id)

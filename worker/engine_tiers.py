@@ -42,6 +42,7 @@ def make_store(
         return None
     tiers = TierConfig(
         l2_bytes=max(cfg.l2_bytes, bytes_per_block),
+        prefetch_bytes=cfg.prefetch_bytes,
         l3_dir=cfg.disk_dir(),
         l3_bytes=cfg.l3_bytes,
         l3_codec=cfg.l3_codec,
@@ -90,13 +91,16 @@ def finish_prefetch(
     them), with the rest of the run after them.
     """
     if seq is None:
+        store.unstage(result.staged_bytes)
         return
     for k, namespace_id in enumerate(result.namespace_ids):
         if fence.purged_since(namespace_id, seq.purge_tag):
             result = result.head(k)
             break
     seq.block_origins.update(store.finish_prefetch(result))
-    seq.prefetched = result if result.records else None
+    held = result.data.nbytes if result.records and result.data is not None else 0
+    store.unstage(result.staged_bytes - held)  # the budget was reserved for the whole plan
+    seq.prefetched, seq.staged_bytes = (result, held) if held else (None, 0)
     seq.prefetching = False
 
 

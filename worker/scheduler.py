@@ -103,7 +103,8 @@ class Scheduler:
             for transfer in seq.transfers:
                 transfer.wait()
             self._finish_loading(seq)
-        seq.prefetched = None
+        if self.store is not None:
+            self.store.drop_prefetched(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -218,6 +219,8 @@ class Scheduler:
             self._count_sources(seq, len(matched), num_loaded)
             seq.timings.admitted_s = self._clock()
         seq.status = Status.PREFILLING
+        if seq.prefetched is not None and not fetched:  # nothing of it is used: free it now
+            self.store.drop_prefetched(seq)  # type: ignore[union-attr]
         if num_loaded:
             assert self.store is not None
             targets = seq.block_table[len(matched) : len(matched) + num_loaded]
@@ -259,7 +262,8 @@ class Scheduler:
         for transfer in seq.transfers:
             self.store.loaded(transfer)
         self.store.l2.unpin(seq.loading_slots)
-        seq.transfers, seq.loading_slots, seq.prefetched = [], [], None
+        seq.transfers, seq.loading_slots = [], []
+        self.store.drop_prefetched(seq)
         if seq.status is Status.LOADING:
             seq.status = Status.PREFILLING
             if seq.use_cache:

@@ -58,3 +58,50 @@ async def test_one_tenants_cold_burst_does_not_queue_another_behind_its_redis_re
         link.close()
     assert errors == 0  # every read was answered in time: the queue, not a fault, made the wait
     assert a_before_b <= burst // 2, f"B finished after {a_before_b} of A's {burst} requests"
+
+
+async def test_prefetched_blocks_of_waiting_requests_stay_within_their_budget(make_engine, tmp_path):
+    """Before, each waiting request held its own copy of what it prefetched, outside every budget (8
+    waiting requests held 655,360 B, 20x the L2 budget). Now the copies count against ``prefetch_bytes``;
+    beyond it the blocks are recomputed, and the budget comes back whole when the requests are done."""
+    block_bytes = 8192  # random-tiny: 2 layers x (k, v) x 16 tokens x 2 kv heads x 16 dims x 4 bytes
+    budget = 16 * block_bytes
+    engine = make_engine(
+        num_blocks=48,
+        l2_bytes=4 * block_bytes,
+        prefetch_bytes=budget,
+        l3_dir=tmp_path / "kv",
+        l3_min_free_bytes=0,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+    )
+    assert engine.bytes_per_block == block_bytes
+    prompts = [prompt_of(300 + i, 160) for i in range(8)]  # 10 blocks each
+    for i, p in enumerate(prompts):
+        await run(engine, f"fill-{i}", p, segs=A, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=B, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=B, params=greedy(400)))
+    while not engine.stats()["num_running"]:  # "busy" holds the only running slot: the others wait
+        await asyncio.sleep(0.01)
+    waiting = [
+        asyncio.create_task(run(engine, f"w{i}", p, segs=A, params=greedy(1))) for i, p in enumerate(prompts)
+    ]
+    peak_held, peak_staged = 0, 0
+    while not hog.done():
+        held = 0
+        for seq in list(engine._sequences.values()):
+            fetched = seq.prefetched
+            held += fetched.data.nbytes if fetched is not None and fetched.data is not None else 0
+        peak_held = max(peak_held, held)
+        peak_staged = max(peak_staged, engine.stats()["tiers"]["prefetch"]["staged_bytes"])
+        await asyncio.sleep(0.01)
+    await hog
+    results = await asyncio.gather(*waiting)
+    from_l3 = sum(u["cached_tokens_by_source"].get("l3", 0) for _, u, _ in results)
+    prefetch = engine.stats()["tiers"]["prefetch"]
+    assert 0 < peak_held <= peak_staged <= budget, (peak_held, peak_staged)
+    assert prefetch["skipped_blocks_total"] > 0  # 80 blocks wanted, 16 allowed at once
+    assert from_l3 > 0  # within the budget, prefetching still serves them
+    assert prefetch["staged_bytes"] == 0  # every request gave its share back

@@ -3,7 +3,8 @@
 - Eviction from L1 demotes the block into L2 (a synchronous device→host copy: the slot is reused at once);
   eviction from L2 demotes chunks to a writer thread that stores them in L3 and the remote tier.
 - When a request arrives, its prefix is looked up across tiers at once; blocks found only in L3 or Redis
-  are prefetched into L2 by reader threads while the request waits for admission and other requests run.
+  are prefetched into L2 by reader threads while the request waits for admission and other requests run;
+  the request keeps its copy until admitted, within a byte budget of its own (``prefetch_bytes``).
 - At admission the L2 part of the chain is copied into freshly allocated L1 blocks (copy thread or CUDA
   stream); the request prefills only after the copy is done.
 - A tier is used only if loading from it is estimated faster than recomputing the blocks (measured
@@ -43,6 +44,7 @@ log = logging.getLogger("prefixgate.worker.tiers")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierConfig:
     l2_bytes: int = 512 << 20
+    prefetch_bytes: int = 512 << 20  # blocks prefetched and held for waiting requests (outside L2)
     l3_dir: Path | None = None
     l3_bytes: int = 4 << 30
     l3_codec: str = "none"
@@ -69,6 +71,7 @@ class PrefetchPlan:
     disk_reads: list[tuple[int, list[int]]] = field(default_factory=list)  # (file id, positions), in order
     disk_blocks: int = 0
     use_remote: bool = False
+    staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
     owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
 
 
@@ -80,16 +83,18 @@ class PrefetchResult:
     sources: list[str]
     namespace_ids: list[str]
     data: torch.Tensor | None
+    staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
 
     def head(self, num_blocks: int) -> PrefetchResult:
-        """The first ``num_blocks`` blocks of the run."""
+        """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
         return PrefetchResult(
             request_id=self.request_id,
             start=self.start,
             records=self.records[:num_blocks],
             sources=self.sources[:num_blocks],
             namespace_ids=self.namespace_ids[:num_blocks],
-            data=self.data[:num_blocks] if num_blocks and self.data is not None else None,
+            data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
+            staged_bytes=self.staged_bytes,
         )
 
 
@@ -172,6 +177,9 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
+        # Host bytes reserved for prefetches in flight and held by waiting requests (engine thread only).
+        self.staged_bytes = 0
+        self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
         self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
@@ -270,6 +278,10 @@ class TieredStore:
             token_blocks=list(token_blocks[start:]),
             namespace_ids=list(namespace_ids[start:]),
         )
+        room = max(0, (self.config.prefetch_bytes - self.staged_bytes) // self.bytes_per_block)
+        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
+            self.prefetch_skipped_blocks += len(plan.hashes) - room
+            del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
         if not plan.hashes:
             return None
         if self.disk is not None:
@@ -287,7 +299,21 @@ class TieredStore:
         plan.use_remote = (
             self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
         )
-        return plan if plan.disk_blocks or plan.use_remote else None
+        if not plan.disk_blocks and not plan.use_remote:
+            return None
+        plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
+        self.staged_bytes += plan.staged_bytes
+        return plan
+
+    def unstage(self, num_bytes: int) -> None:
+        """Give back prefetch budget (engine thread)."""
+        self.staged_bytes -= num_bytes
+
+    def drop_prefetched(self, seq: Any) -> None:
+        """A request no longer needs what it prefetched (loaded into L1, finished, or purged)."""
+        seq.prefetched = None
+        self.unstage(seq.staged_bytes)
+        seq.staged_bytes = 0
 
     def start_prefetch(self, plan: PrefetchPlan) -> None:
         """Queue the reads (``prefetch_queue``: behind the owner's earlier prefetches only)."""
@@ -340,6 +366,7 @@ class TieredStore:
             sources=sources,
             namespace_ids=plan.namespace_ids[: len(records)],
             data=data,
+            staged_bytes=plan.staged_bytes,
         )
         self._post(("prefetched", result))
 
@@ -465,6 +492,11 @@ class TieredStore:
                 "evictions_total": self.l2.index.num_evictions,
             },
             "demotions_dropped_total": self.dropped_demotions,
+            "prefetch": {
+                "staged_bytes": self.staged_bytes,
+                "budget_bytes": self.config.prefetch_bytes,
+                "skipped_blocks_total": self.prefetch_skipped_blocks,
+            },
         }
         if self.disk is not None:
             out["l3"] = self.disk.stats()
