@@ -507,6 +507,8 @@ class Engine:
                 if seq in queue_:
                     queue_.remove(seq)
             seq.status = Status.FINISHED
+            if self.store is not None:
+                self.store.drop_prefetched(seq)  # its share of the prefetch budget comes back
             handle = self._handles.get(seq.request_id)
             if handle is not None:
                 output = RequestOutput(request_id=seq.request_id, finished=True, finish_reason="error")

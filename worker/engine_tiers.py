@@ -98,6 +98,7 @@ def finish_prefetch(
             result = result.head(k)
             break
     seq.block_origins.update(store.finish_prefetch(result))
+    store.drop_prefetched(seq)  # (one prefetch per request: nothing to give back unless ids were reused)
     held = result.data.nbytes if result.records and result.data is not None else 0
     store.unstage(result.staged_bytes - held)  # the budget was reserved for the whole plan
     seq.prefetched, seq.staged_bytes = (result, held) if held else (None, 0)
