@@ -12,6 +12,14 @@ sequence number.
 Blocks in the Redis tier (``remote`` events) live outside any one worker: they are kept per Redis tier
 id, and every worker reporting that id (``remote_tier`` in its event batches) is credited with them at
 the ``remote`` weight, until the tier's TTL passes without the block being announced again.
+
+Memory is bounded. Redis expires blocks silently, so shared entries are kept in the order they were last
+announced and swept from the front once their TTL has passed; a tier's entries are capped at
+``CAPACITY_SLACK`` times the blocks its budget holds (``remote_tier.capacity_blocks``), the oldest going
+first. A worker's own entries are capped the same way by what its tiers hold (``capacity_blocks`` in its
+batches: L1, L2, L3); a worker that announces more (broken or hostile) is refused like a malformed batch
+(``ValueError``: the consumer drops it from the index). Without a reported capacity the caps are
+``DEFAULT_MAX_BLOCKS``; a reported one is never trusted beyond ``MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +40,12 @@ TIER_WEIGHTS: Mapping[str, float] = {"L1": 1.0, "L2": 0.8, "L3": 0.5, "remote": 
 # Write pressure: device-pool blocks a worker stored, decayed with this time constant. A worker that
 # writes many new blocks evicts fast, so a new prefix placed there would be gone soonest.
 WRITE_PRESSURE_TAU_S = 60.0
+# Bounds on what the index remembers per worker and per Redis tier (entries are ~200 B each): a reported
+# capacity times the slack (events and evictions race; a disk may briefly hold more than its budget), at
+# most MAX_BLOCKS; DEFAULT_MAX_BLOCKS when none is reported.
+CAPACITY_SLACK = 2
+DEFAULT_MAX_BLOCKS = 1 << 18
+MAX_BLOCKS = 1 << 22
 
 
 @dataclass(slots=True)
@@ -63,6 +78,7 @@ class WorkerIndex:
     blocks: dict[bytes, CachedBlock] = field(default_factory=dict)
     load: WorkerLoadReport = field(default_factory=WorkerLoadReport)
     remote_tier: str | None = None  # id of the Redis tier the worker shares with others (if any)
+    max_blocks: int = DEFAULT_MAX_BLOCKS  # entries allowed in ``blocks`` (from the reported capacity)
 
 
 @dataclass(slots=True)
@@ -71,12 +87,28 @@ class SharedBlock:
     expires_s: float  # monotonic: the tier's TTL after the last announcement
 
 
+def capacity_bound(capacity: Any) -> int:
+    """How many entries to keep for a reported capacity (blocks per tier, or one number of blocks).
+
+    Raises:
+        ValueError: the capacity is not a count of blocks (a malformed batch).
+    """
+    if capacity is None:
+        return DEFAULT_MAX_BLOCKS
+    counts = list(capacity.values()) if isinstance(capacity, Mapping) else [capacity]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise ValueError(f"capacity_blocks must be counts of blocks, not {capacity!r}")
+    return min(MAX_BLOCKS, CAPACITY_SLACK * sum(counts) + 1024)
+
+
 class PrefixIndex:
     """Block hashes cached per worker url, fed by KV events."""
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.workers: dict[str, WorkerIndex] = {}
-        self.shared: dict[str, dict[bytes, SharedBlock]] = {}  # Redis tier id -> its blocks
+        # Redis tier id -> its blocks, oldest announcement first (so expired ones are swept from the front)
+        self.shared: dict[str, OrderedDict[bytes, SharedBlock]] = {}
+        self._shared_max: dict[str, int] = {}  # Redis tier id -> entries kept at most
         self._clock = clock
         self._waiters: dict[tuple[str, bytes], list[asyncio.Future[bool]]] = {}  # wait_stored
 
@@ -134,6 +166,10 @@ class PrefixIndex:
             state = self.workers[url] = WorkerIndex(worker_id=batch["worker_id"])
         tier = batch.get("remote_tier") or {}
         state.remote_tier = tier.get("id")
+        state.max_blocks = capacity_bound(batch.get("capacity_blocks"))
+        self._sweep_shared()
+        if state.remote_tier:
+            self._shared_max[state.remote_tier] = capacity_bound(tier.get("capacity_blocks"))
         snapshot = batch.get("snapshot")
         for event in batch["events"]:
             if event.get("medium") == "remote":
@@ -184,6 +220,10 @@ class PrefixIndex:
             if kind == "BlockStored":
                 block = state.blocks.get(block_hash)
                 if block is None:
+                    if len(state.blocks) >= state.max_blocks:
+                        raise ValueError(
+                            f"worker announced more blocks than its tiers hold ({state.max_blocks})"
+                        )
                     block = state.blocks[block_hash] = CachedBlock(namespace_id=event["namespace_id"])
                 block.media.add(medium)
             elif kind == "BlockRemoved":
@@ -192,15 +232,34 @@ class PrefixIndex:
     def _apply_shared(self, tier: Mapping[str, Any], event: Mapping[str, Any]) -> None:
         if not tier.get("id"):
             return  # not reachable from the worker's tier id: nothing to credit it to
-        blocks = self.shared.setdefault(tier["id"], {})
+        blocks = self.shared.setdefault(tier["id"], OrderedDict())
+        max_blocks = self._shared_max.get(tier["id"], DEFAULT_MAX_BLOCKS)
         expires_s = self._clock() + float(tier.get("ttl_s", 3600))
         if event["type"] == "AllBlocksCleared":
             blocks.clear()
         for hex_hash in event.get("block_hashes", ()):
+            block_hash = bytes.fromhex(hex_hash)
             if event["type"] == "BlockStored":
-                blocks[bytes.fromhex(hex_hash)] = SharedBlock(event["namespace_id"], expires_s)
+                blocks.pop(block_hash, None)  # announced again: it moves to the back (expires last)
+                blocks[block_hash] = SharedBlock(event["namespace_id"], expires_s)
+                while len(blocks) > max_blocks:  # more than the tier holds: the oldest is gone from it
+                    blocks.popitem(last=False)
             elif event["type"] == "BlockRemoved":
-                blocks.pop(bytes.fromhex(hex_hash), None)
+                blocks.pop(block_hash, None)
+
+    def _sweep_shared(self) -> None:
+        """Forget shared blocks whose TTL passed unannounced (Redis expired them without a word)."""
+        now = self._clock()
+        for tier_id, blocks in list(self.shared.items()):
+            while blocks:
+                block = next(iter(blocks.values()))
+                if block.expires_s >= now:
+                    break
+                blocks.popitem(last=False)
+            if not blocks:
+                del self.shared[tier_id]
+        for tier_id in [t for t in self._shared_max if t not in self.shared]:
+            del self._shared_max[tier_id]
 
     def _shared_weight(self, state: WorkerIndex, block_hash: bytes, namespace_id: str) -> float:
         block = self.shared.get(state.remote_tier or "", {}).get(block_hash)

@@ -33,6 +33,7 @@ class WorkerConfig:
     eviction_policy: str = "default"
     data_dir: Path | None = None  # holds the disk tier (data_dir/kv) unless l3_dir is given
     l2_bytes: int = 512 << 20  # host DRAM tier budget (0: off)
+    prefetch_bytes: int = 512 << 20  # host memory for blocks prefetched (L3, Redis) for waiting requests
     l3_dir: Path | None = None  # disk tier directory (default: data_dir/kv; none without a data dir)
     l3_bytes: int = 4 << 30
     l3_codec: str = "none"  # none | fp8 | int4

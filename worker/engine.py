@@ -31,6 +31,7 @@ from worker.layers.logits_processors import TokenLogprob
 from worker.model.loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.output import append_token, take_text_delta, usage
+from worker.purge_fence import PurgeFence
 from worker.request_io import (
     CommandFailed,
     Handle,
@@ -105,6 +106,7 @@ class Engine:
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
+        self.purge_fence = PurgeFence()
         self.scheduler = Scheduler(
             self.block_manager,
             model_fingerprint=self.fingerprint,
@@ -113,6 +115,7 @@ class Engine:
             store=self.store,
             max_wait_s=config.max_wait_s,
             clock=time.monotonic,
+            purge_fence=self.purge_fence,
         )
         self.max_model_len = max_model_len
         self.bytes_per_block = bytes_per_block
@@ -255,10 +258,13 @@ class Engine:
         self._post("purge", (namespace_id, loop, done))
         failed: dict[str, str] = {}
         try:
-            erased = await done
-        except CommandFailed as exc:
-            erased, failed["local"] = {}, str(exc)
-        await purge_remote(self.store, namespace_id, erased, failed)
+            try:
+                erased = await done
+            except CommandFailed as exc:
+                erased, failed["local"] = {}, str(exc)
+            await purge_remote(self.store, namespace_id, erased, failed)
+        finally:  # the fence holds until Redis is erased too: a prefetch reading it meanwhile is dropped
+            self._post("purge_done", (namespace_id,))
         return erased, failed
 
     def stats(self) -> dict[str, Any]:
@@ -360,6 +366,7 @@ class Engine:
                     if self.store is not None:
                         self.store.set_reservation(segment.namespace_id, granted)
             self._sequences[seq.request_id] = seq
+            seq.purge_tag = self.purge_fence.tag()
             if seq.use_cache and self.store is not None:
                 start_prefetch(self.store, self.block_manager, seq, fingerprint=self.fingerprint)
             self.scheduler.add(seq)
@@ -367,13 +374,21 @@ class Engine:
             self.counters["prompt_tokens_total"] += len(seq.prompt_token_ids)
         elif command == "prefetched":
             if self.store is not None:
-                finish_prefetch(self.store, self._sequences.get(arg.request_id), arg)
+                finish_prefetch(self.store, self._sequences.get(arg.request_id), arg, self.purge_fence)
         elif command == "purge":
             namespace_id, loop, done = arg
+            self.purge_fence.purge_started(namespace_id)
+            for seq in self._sequences.values():  # what waiting requests prefetched of it is dropped too
+                fetched = seq.prefetched if seq.status is Status.WAITING else None
+                if fetched is not None and namespace_id in fetched.namespace_ids:
+                    self.store.drop_prefetched(seq)  # type: ignore[union-attr]
             erased = {"l1": self.block_manager.purge(namespace_id)}
             if self.store is not None:
                 erased |= self.store.purge_local(namespace_id)
             loop.call_soon_threadsafe(done.set_result, erased)
+        elif command == "purge_done":
+            live_tags = (seq.purge_tag for seq in self._sequences.values())
+            self.purge_fence.purge_done(arg[0], live_tags)
         elif command == "abort":
             seq = self._sequences.pop(arg, None)
             if seq is not None and not seq.is_finished:
@@ -492,6 +507,8 @@ class Engine:
                 if seq in queue_:
                     queue_.remove(seq)
             seq.status = Status.FINISHED
+            if self.store is not None:
+                self.store.drop_prefetched(seq)  # its share of the prefetch budget comes back
             handle = self._handles.get(seq.request_id)
             if handle is not None:
                 output = RequestOutput(request_id=seq.request_id, finished=True, finish_reason="error")

@@ -19,6 +19,7 @@ from policies.hashing import block_hashes, segment_at
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig
 from worker.kv_events import KVEventLog
+from worker.purge_fence import PurgeFence
 from worker.sequence import Sequence
 from worker.tiers.remote import RemoteUnavailable
 from worker.tiers.store import PrefetchResult, TierConfig, TieredStore
@@ -41,6 +42,7 @@ def make_store(
         return None
     tiers = TierConfig(
         l2_bytes=max(cfg.l2_bytes, bytes_per_block),
+        prefetch_bytes=cfg.prefetch_bytes,
         l3_dir=cfg.disk_dir(),
         l3_bytes=cfg.l3_bytes,
         l3_codec=cfg.l3_codec,
@@ -76,15 +78,30 @@ def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fin
     plan = store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
     if plan is not None:
         seq.prefetching = True
+        plan.owner = seq.namespace_id
         store.start_prefetch(plan)
 
 
-def finish_prefetch(store: TieredStore, seq: Sequence | None, result: PrefetchResult) -> None:
-    """A prefetch landed: offer its blocks to L2 and hand them to the waiting request (if still there)."""
+def finish_prefetch(
+    store: TieredStore, seq: Sequence | None, result: PrefetchResult, fence: PurgeFence
+) -> None:
+    """A prefetch landed: offer its blocks to L2 and hand them to the waiting request (if still there).
+
+    Blocks of a namespace purged since the request arrived are dropped (read before the purge erased
+    them), with the rest of the run after them.
+    """
     if seq is None:
+        store.unstage(result.staged_bytes)
         return
+    for k, namespace_id in enumerate(result.namespace_ids):
+        if fence.purged_since(namespace_id, seq.purge_tag):
+            result = result.head(k)
+            break
     seq.block_origins.update(store.finish_prefetch(result))
-    seq.prefetched = result if result.records else None
+    store.drop_prefetched(seq)  # (one prefetch per request: nothing to give back unless ids were reused)
+    held = result.data.nbytes if result.records and result.data is not None else 0
+    store.unstage(result.staged_bytes - held)  # the budget was reserved for the whole plan
+    seq.prefetched, seq.staged_bytes = (result, held) if held else (None, 0)
     seq.prefetching = False
 
 

@@ -274,6 +274,12 @@ class TierEvents:
             self._log.removed(self.medium, block_hash)
 
 
+def engine_capacity(engine: Any) -> dict[str, int]:
+    """Blocks each of the worker's own tiers can hold: a gateway remembers no more of this worker."""
+    tiers = engine.store.capacity_blocks() if engine.store is not None else {}
+    return {"L1": engine.block_manager.num_blocks, **tiers}
+
+
 def engine_load(engine: Any) -> dict[str, int]:
     """Running sequences and prompt tokens waiting for prefill (read from the HTTP thread: a snapshot
     that may be a step old, retried if the engine thread changes the queue meanwhile)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from policies.hashing import block_hashes, chain_hash, root_hash, segment_at, tokens_to_bytes
 from worker.block_manager import BlockManager, NoFreeBlocksError
+from worker.purge_fence import PurgeFence
 from worker.sequence import Sequence, Status
 from worker.tiers.store import TieredStore
 
@@ -66,10 +67,12 @@ class Scheduler:
         store: TieredStore | None = None,
         max_wait_s: float = 2.0,
         clock: Callable[[], float],
+        purge_fence: PurgeFence | None = None,
     ) -> None:
         """
         Args:
             max_wait_s: after waiting this long a sequence stops being overtaken by later ones.
+            purge_fence: blocks of a namespace purged after a sequence arrived are not published.
         """
         self.block_manager = block_manager
         self.store = store
@@ -82,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._clock = clock
+        self._purge_fence = purge_fence
 
     def now_s(self) -> float:
         return self._clock()
@@ -99,7 +103,8 @@ class Scheduler:
             for transfer in seq.transfers:
                 transfer.wait()
             self._finish_loading(seq)
-        seq.prefetched = None
+        if self.store is not None:
+            self.store.drop_prefetched(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -214,6 +219,8 @@ class Scheduler:
             self._count_sources(seq, len(matched), num_loaded)
             seq.timings.admitted_s = self._clock()
         seq.status = Status.PREFILLING
+        if seq.prefetched is not None and not fetched:  # nothing of it is used: free it now
+            self.store.drop_prefetched(seq)  # type: ignore[union-attr]
         if num_loaded:
             assert self.store is not None
             targets = seq.block_table[len(matched) : len(matched) + num_loaded]
@@ -255,7 +262,8 @@ class Scheduler:
         for transfer in seq.transfers:
             self.store.loaded(transfer)
         self.store.l2.unpin(seq.loading_slots)
-        seq.transfers, seq.loading_slots, seq.prefetched = [], [], None
+        seq.transfers, seq.loading_slots = [], []
+        self.store.drop_prefetched(seq)
         if seq.status is Status.LOADING:
             seq.status = Status.PREFILLING
             if seq.use_cache:
@@ -304,13 +312,16 @@ class Scheduler:
                 parent = seq.block_hashes[-1] if k else root_hash(self.model_fingerprint, seg.key)
                 key = seg.key if k and seg.start_token == k * bs else None
                 seq.block_hashes.append(chain_hash(parent, tokens_to_bytes(block_tokens), key))
-            bm.cache(
-                seq.block_table[k],
-                seq.block_hashes[k],
-                block_tokens,
-                seq.block_hashes[k - 1] if k else None,
-                namespace_id=segment_at(seq.segments, k * bs).namespace_id,
-                position=k,
-                request_blocks=len(seq.prompt_token_ids) // bs,
-            )
+            namespace_id = segment_at(seq.segments, k * bs).namespace_id
+            fence = self._purge_fence
+            if fence is None or not fence.purged_since(namespace_id, seq.purge_tag):
+                bm.cache(
+                    seq.block_table[k],
+                    seq.block_hashes[k],
+                    block_tokens,
+                    seq.block_hashes[k - 1] if k else None,
+                    namespace_id=namespace_id,
+                    position=k,
+                    request_blocks=len(seq.prompt_token_ids) // bs,
+                )
             seq.num_published_blocks += 1

@@ -67,12 +67,14 @@ class Sequence:
     num_preemptions: int = 0
     prefetching: bool = False  # lower tiers are fetching its blocks into host memory
     prefetched: Any = None  # blocks fetched from disk or Redis for it (worker.tiers.store.PrefetchResult)
+    staged_bytes: int = 0  # of the store's prefetch budget, held by ``prefetched``
     block_origins: dict[BlockHash, str] = field(default_factory=dict)  # prefetched block -> tier it came from
     transfers: list[Any] = field(default_factory=list)  # copies into the device pool in flight
     loading_slots: list[int] = field(default_factory=list)  # L2 slots pinned while ``transfers`` run
     matcher: Any = None  # llguidance.LLMatcher of ``sampling.grammar`` (engine thread only)
     grammar_complete: bool = False  # the grammar allows nothing more: the request stops
     in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
+    purge_tag: int = 0  # worker.purge_fence tag at arrival: blocks of a namespace purged since are dropped
 
     @property
     def namespace_id(self) -> str:

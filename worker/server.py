@@ -17,7 +17,7 @@ from worker.admission import Overloaded
 from worker.auth import auth_middleware, check_bind
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestError
-from worker.kv_events import engine_load
+from worker.kv_events import engine_capacity, engine_load
 from worker.metrics import render as render_metrics
 from worker.openapi import worker_openapi_spec
 from worker.protocol import BadRequest, parse_generate, parse_namespace_id
@@ -254,6 +254,7 @@ async def kv_events(request: web.Request) -> web.Response:
         "reset": batch.reset,
         "events": [event.to_json() for event in batch.events],
         "load": engine_load(engine),
+        "capacity_blocks": engine_capacity(engine),
         "remote_tier": engine.store.remote_tier() if engine.store is not None else None,
     }
     if batch.snapshot is not None:

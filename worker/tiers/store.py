@@ -3,7 +3,8 @@
 - Eviction from L1 demotes the block into L2 (a synchronous device→host copy: the slot is reused at once);
   eviction from L2 demotes chunks to a writer thread that stores them in L3 and the remote tier.
 - When a request arrives, its prefix is looked up across tiers at once; blocks found only in L3 or Redis
-  are prefetched into L2 by reader threads while the request waits for admission and other requests run.
+  are prefetched into L2 by reader threads while the request waits for admission and other requests run;
+  the request keeps its copy until admitted, within a byte budget of its own (``prefetch_bytes``).
 - At admission the L2 part of the chain is copied into freshly allocated L1 blocks (copy thread or CUDA
   stream); the request prefills only after the copy is done.
 - A tier is used only if loading from it is estimated faster than recomputing the blocks (measured
@@ -19,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.disk import DiskTier
 from worker.tiers.entry import BlockRecord, CorruptEntry
 from worker.tiers.host import DemotedBlock, HostTier
+from worker.tiers.prefetch_queue import FairQueue
 from worker.tiers.remote import RemoteTier
 from worker.tiers.transfer import Copier, Transfer
 
@@ -43,6 +44,7 @@ log = logging.getLogger("prefixgate.worker.tiers")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierConfig:
     l2_bytes: int = 512 << 20
+    prefetch_bytes: int = 512 << 20  # blocks prefetched and held for waiting requests (outside L2)
     l3_dir: Path | None = None
     l3_bytes: int = 4 << 30
     l3_codec: str = "none"
@@ -69,6 +71,8 @@ class PrefetchPlan:
     disk_reads: list[tuple[int, list[int]]] = field(default_factory=list)  # (file id, positions), in order
     disk_blocks: int = 0
     use_remote: bool = False
+    staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
+    owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
 
 
 @dataclass(slots=True)
@@ -79,6 +83,19 @@ class PrefetchResult:
     sources: list[str]
     namespace_ids: list[str]
     data: torch.Tensor | None
+    staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
+
+    def head(self, num_blocks: int) -> PrefetchResult:
+        """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
+        return PrefetchResult(
+            request_id=self.request_id,
+            start=self.start,
+            records=self.records[:num_blocks],
+            sources=self.sources[:num_blocks],
+            namespace_ids=self.namespace_ids[:num_blocks],
+            data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
+            staged_bytes=self.staged_bytes,
+        )
 
 
 class Bandwidth:
@@ -160,13 +177,21 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
+        # Host bytes reserved for prefetches in flight and held by waiting requests (engine thread only).
+        self.staged_bytes = 0
+        self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
         self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
         self.dropped_demotions = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
         self._writer.start()
-        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-prefetch")
+        self._prefetches: FairQueue[PrefetchPlan] = FairQueue()
+        self._readers = [
+            threading.Thread(target=self._read_loop, name=f"kv-prefetch-{i}", daemon=True) for i in range(2)
+        ]
+        for reader in self._readers:
+            reader.start()
 
     # ---- cost gate -------------------------------------------------------------------------------
     def _calibrate_copy(self) -> float:
@@ -253,6 +278,10 @@ class TieredStore:
             token_blocks=list(token_blocks[start:]),
             namespace_ids=list(namespace_ids[start:]),
         )
+        room = max(0, (self.config.prefetch_bytes - self.staged_bytes) // self.bytes_per_block)
+        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
+            self.prefetch_skipped_blocks += len(plan.hashes) - room
+            del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
         if not plan.hashes:
             return None
         if self.disk is not None:
@@ -270,10 +299,32 @@ class TieredStore:
         plan.use_remote = (
             self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
         )
-        return plan if plan.disk_blocks or plan.use_remote else None
+        if not plan.disk_blocks and not plan.use_remote:
+            return None
+        plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
+        self.staged_bytes += plan.staged_bytes
+        return plan
+
+    def unstage(self, num_bytes: int) -> None:
+        """Give back prefetch budget (engine thread)."""
+        self.staged_bytes -= num_bytes
+
+    def drop_prefetched(self, seq: Any) -> None:
+        """A request no longer needs what it prefetched (loaded into L1, finished, or purged)."""
+        seq.prefetched = None
+        self.unstage(seq.staged_bytes)
+        seq.staged_bytes = 0
 
     def start_prefetch(self, plan: PrefetchPlan) -> None:
-        self._readers.submit(self._fetch, plan)
+        """Queue the reads (``prefetch_queue``: behind the owner's earlier prefetches only)."""
+        self._prefetches.put(plan.owner, plan)
+
+    def _read_loop(self) -> None:
+        while (plan := self._prefetches.get()) is not None:
+            try:
+                self._fetch(plan)
+            except Exception:  # a reader must outlive any one prefetch
+                log.exception("prefetch of %s failed", plan.request_id)
 
     def _fetch(self, plan: PrefetchPlan) -> None:
         records: list[BlockRecord] = []
@@ -315,6 +366,7 @@ class TieredStore:
             sources=sources,
             namespace_ids=plan.namespace_ids[: len(records)],
             data=data,
+            staged_bytes=plan.staged_bytes,
         )
         self._post(("prefetched", result))
 
@@ -404,14 +456,29 @@ class TieredStore:
     def close(self) -> None:
         self._writes.put(None)
         self._writer.join(timeout=30)
-        self._readers.shutdown(wait=True)
+        self._prefetches.close()
+        for reader in self._readers:
+            reader.join(timeout=30)
         self.copier.close()
 
     def remote_tier(self) -> dict[str, Any] | None:
-        """The shared Redis tier as KV-event consumers see it: its id and how long a block lives unread."""
+        """The shared Redis tier as KV-event consumers see it: its id, how long a block lives unread and
+        how many blocks its budget holds (the gateway's bound on what it remembers of the tier)."""
         if self.remote is None or self.remote.tier_id is None:
             return None
-        return {"id": self.remote.tier_id, "ttl_s": self.config.remote_ttl_s}
+        per_block = self.remote.codec.payload_bytes(self.block_shape, self.dtype)
+        return {
+            "id": self.remote.tier_id,
+            "ttl_s": self.config.remote_ttl_s,
+            "capacity_blocks": self.remote.budget_bytes // per_block,
+        }
+
+    def capacity_blocks(self) -> dict[str, int]:
+        """Blocks L2 and L3 can hold (their budgets), for the gateway's bound on a worker's index entry."""
+        out = {"L2": self.l2.capacity_blocks}
+        if self.disk is not None:
+            out["L3"] = self.disk.budget_bytes // self.disk.block_payload_bytes
+        return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -425,6 +492,11 @@ class TieredStore:
                 "evictions_total": self.l2.index.num_evictions,
             },
             "demotions_dropped_total": self.dropped_demotions,
+            "prefetch": {
+                "staged_bytes": self.staged_bytes,
+                "budget_bytes": self.config.prefetch_bytes,
+                "skipped_blocks_total": self.prefetch_skipped_blocks,
+            },
         }
         if self.disk is not None:
             out["l3"] = self.disk.stats()

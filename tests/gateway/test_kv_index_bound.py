@@ -1,0 +1,102 @@
+"""The gateway's prefix index is bounded: Redis-tier entries that expired silently are freed, a tier keeps
+no more than its budget holds, and one worker cannot grow its entry past what its tiers hold (a worker
+that announces more is refused like a malformed batch, which drops it from the index)."""
+
+import os
+
+import pytest
+
+from gateway.kv_index import CAPACITY_SLACK, DEFAULT_MAX_BLOCKS, MAX_BLOCKS, PrefixIndex, capacity_bound
+
+TTL_S = 3600.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _batch(seq: int, hashes: list[str], *, medium: str, capacity=None, tier_capacity=None) -> dict:
+    batch = {
+        "worker_id": "w1",
+        "last_seq": seq,
+        "reset": False,
+        "remote_tier": {"id": "tier-1", "ttl_s": TTL_S},
+        "events": [
+            {
+                "seq": seq,
+                "type": "BlockStored",
+                "medium": medium,
+                "namespace_id": "t-a",
+                "block_hashes": hashes,
+            }
+        ],
+        "load": {},
+    }
+    if not hashes:
+        batch["events"] = []
+    if capacity is not None:
+        batch["capacity_blocks"] = capacity
+    if tier_capacity is not None:
+        batch["remote_tier"]["capacity_blocks"] = tier_capacity
+    return batch
+
+
+def _hashes(n: int) -> list[str]:
+    return [os.urandom(32).hex() for _ in range(n)]
+
+
+def test_redis_tier_entries_that_expired_unannounced_are_freed():
+    clock = Clock()
+    index = PrefixIndex(clock=clock)
+    per_ttl = 2_000
+    kept = _hashes(10)
+    for period in range(10):
+        index.apply("http://w1", _batch(period + 1, kept + _hashes(per_ttl), medium="remote"))
+        clock.now += TTL_S / 2
+        index.apply("http://w1", _batch(100 + period, kept, medium="remote"))  # announced again: still live
+        clock.now += TTL_S / 2 + 1  # the rest expires in Redis (silently: no event)
+    index.apply("http://w1", _batch(1000, [], medium="remote"))
+    assert len(index.shared["tier-1"]) <= per_ttl + len(kept)  # before: 20,010 entries held
+    live = {bytes.fromhex(h) for h in kept}
+    assert live <= set(index.shared["tier-1"])
+    assert index.match("http://w1", [bytes.fromhex(kept[0])], ["t-a"]).num_blocks == 1
+    clock.now += 2 * TTL_S
+    index.apply("http://w1", _batch(1001, [], medium="remote"))
+    assert "tier-1" not in index.shared  # nothing live: the tier's entry is gone too
+
+
+def test_a_redis_tier_keeps_no_more_than_its_budget_holds():
+    index = PrefixIndex(clock=Clock())
+    for seq in range(1, 6):
+        index.apply("http://w1", _batch(seq, _hashes(1000), medium="remote", tier_capacity=100))
+    assert len(index.shared["tier-1"]) == CAPACITY_SLACK * 100 + 1024  # the oldest announcements went
+
+
+def test_one_worker_cannot_grow_the_index_past_what_its_tiers_hold():
+    index = PrefixIndex()
+    capacity = {"L1": 64, "L2": 256, "L3": 4096}
+    bound = capacity_bound(capacity)
+    assert bound == CAPACITY_SLACK * (64 + 256 + 4096) + 1024
+    index.apply("http://w1", _batch(1, _hashes(bound - 10), medium="L3", capacity=capacity))
+    assert len(index.workers["http://w1"].blocks) == bound - 10  # an honest worker is kept whole
+    with pytest.raises(ValueError, match="more blocks than its tiers hold"):  # the consumer drops it
+        index.apply("http://w1", _batch(2, _hashes(20_000), medium="L3", capacity=capacity))
+    assert len(index.workers["http://w1"].blocks) == bound
+
+
+def test_without_a_reported_capacity_the_default_bound_holds(monkeypatch):
+    assert DEFAULT_MAX_BLOCKS == 1 << 18  # ~50 MB of entries for a worker that reports nothing
+    monkeypatch.setattr("gateway.kv_index.DEFAULT_MAX_BLOCKS", 5_000)  # the same bound, smaller and fast
+    index = PrefixIndex()
+    with pytest.raises(ValueError):
+        for seq in range(1, 20):  # before: 20 answers of 50k invented hashes were all kept (1,000,000)
+            index.apply("http://w1", _batch(seq, _hashes(1_000), medium="L3"))
+    assert len(index.workers["http://w1"].blocks) == 5_000
+    assert capacity_bound({"L3": 10**12}) == MAX_BLOCKS  # a reported capacity is not trusted without end
+    for malformed in ({"L1": "many"}, {"L1": -1}, [1, 2], True):
+        with pytest.raises(ValueError):
+            capacity_bound(malformed)
