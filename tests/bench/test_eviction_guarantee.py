@@ -66,16 +66,21 @@ def _prefix_hit_ratio(trace_name: str, compact: bool, fraction: float, policy: s
 
 
 @pytest.fixture(scope="module")
-def replays():
-    """(trace, compact, fraction, policy) -> the future of its hit ratio; every replay submitted at once."""
+def replays(request):
+    """(trace, compact, fraction, policy) -> the future of its hit ratio, for the selected tests' cells.
+
+    Every replay is submitted at once, the longest (the full synthetic trace) first.
+    """
     workers = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
-    cells = [(SYNTHETIC, False, 0.05, policy) for policy in ("default", "lru")]  # the longest first
-    cells += [
-        (trace.name, not FULL, fraction, policy)
-        for trace in evaluation_set()
-        for fraction in FRACTIONS
-        for policy in ("default", "lru", "arc")
-    ]
+    cells = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == test_default_beats_lru_by_ten_percent_on_the_synthetic_trace.__name__:
+            cells[:0] = [(SYNTHETIC, False, 0.05, policy) for policy in ("default", "lru")]
+        else:
+            trace, fraction = item.callspec.params["trace"], item.callspec.params["fraction"]
+            cells += [(trace.name, not FULL, fraction, policy) for policy in ("default", "lru", "arc")]
     for trace_name, compact, _, _ in cells:  # loaded once, here: forked workers inherit the cache
         _requests(trace_name, compact)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
