@@ -13,9 +13,17 @@ moving, and a switch between experts costs a fraction of a capacity that a short
 back. The cells where the compact prefix falls short are listed in ``COMPACT_SHORTFALLS`` and run as
 strict xfails: measured on every run, and the day one holds, the test fails until it is taken off the
 list. ``docs/eviction.md`` shows that 80 k-access prefixes still miss 5 cells that pass at full size.
+
+Every replay is independent and deterministic, so the module loads the traces once, then hands every
+replay to a pool of forked worker processes (one per available core, at most ``MAX_WORKERS``) and each
+test waits for its own: the same real policies on the same traces, spread over the cores a serial test
+run leaves idle (on one core it costs what the serial replays cost).
 """
 
+import functools
+import multiprocessing
 import os
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
 
@@ -26,6 +34,7 @@ from bench.trace import TraceRequest, num_unique_blocks
 FRACTIONS = (0.01, 0.05, 0.1, 0.2)
 NOISE = 0.005
 FULL = os.environ.get("PREFIXGATE_EVALSET_FULL") == "1"
+MAX_WORKERS = 4
 COMPACT_SHORTFALLS = {  # (trace, fraction): compact-prefix cells below max(LRU, ARC) - 0.005
     ("mooncake-synthetic", 0.2),
     ("mixed-default", 0.1),
@@ -40,11 +49,45 @@ COMPACT_SHORTFALLS = {  # (trace, fraction): compact-prefix cells below max(LRU,
     ("chat-wide", 0.1),
     ("agent-bursty", 0.2),
 }
+SYNTHETIC = "mooncake-synthetic"
+
+
+@functools.cache
+def _requests(trace_name: str, compact: bool) -> list[TraceRequest]:
+    (trace,) = (t for t in evaluation_set() if t.name == trace_name)
+    return trace.load(compact=compact)
+
+
+def _prefix_hit_ratio(trace_name: str, compact: bool, fraction: float, policy: str) -> float:
+    """One replay (run in a worker process): the policy's prefix-usable hit ratio on one cell."""
+    requests = _requests(trace_name, compact)
+    capacity = max(1, int(fraction * num_unique_blocks(requests)))
+    return simulate_one(requests, policy, capacity).prefix_hit_ratio
 
 
 @pytest.fixture(scope="module")
-def traces() -> dict[str, list[TraceRequest]]:
-    return {}
+def replays(request):
+    """(trace, compact, fraction, policy) -> the future of its hit ratio, for the selected tests' cells.
+
+    Every replay is submitted at once, the longest (the full synthetic trace) first.
+    """
+    workers = max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+    cells = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == test_default_beats_lru_by_ten_percent_on_the_synthetic_trace.__name__:
+            cells[:0] = [(SYNTHETIC, False, 0.05, policy) for policy in ("default", "lru")]
+        else:
+            trace, fraction = item.callspec.params["trace"], item.callspec.params["fraction"]
+            cells += [(trace.name, not FULL, fraction, policy) for policy in ("default", "lru", "arc")]
+    for trace_name, compact, _, _ in cells:  # loaded once, here: forked workers inherit the cache
+        _requests(trace_name, compact)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures: dict[tuple, Future[float]] = {cell: pool.submit(_prefix_hit_ratio, *cell) for cell in cells}
+        yield futures
+        for future in futures.values():
+            future.cancel()
 
 
 def _cases() -> list:
@@ -59,20 +102,12 @@ def _cases() -> list:
 
 
 @pytest.mark.parametrize(("trace", "fraction"), _cases())
-def test_default_is_at_least_the_best_textbook_policy(trace: EvalTrace, fraction: float, traces):
-    if trace.name not in traces:
-        traces[trace.name] = trace.load(compact=not FULL)
-    requests = traces[trace.name]
-    capacity = max(1, int(fraction * num_unique_blocks(requests)))
-    ours = simulate_one(requests, "default", capacity).prefix_hit_ratio
-    best = max(simulate_one(requests, name, capacity).prefix_hit_ratio for name in ("lru", "arc"))
+def test_default_is_at_least_the_best_textbook_policy(trace: EvalTrace, fraction: float, replays):
+    ours, lru, arc = (replays[trace.name, not FULL, fraction, p].result() for p in ("default", "lru", "arc"))
+    best = max(lru, arc)
     assert ours >= best - NOISE, f"default {ours:.4f} < max(LRU, ARC) {best:.4f} - {NOISE}"
 
 
-def test_default_beats_lru_by_ten_percent_on_the_synthetic_trace():
-    (mooncake,) = (t for t in evaluation_set() if t.name == "mooncake-synthetic")
-    requests = mooncake.load()
-    capacity = int(0.05 * num_unique_blocks(requests))
-    ours = simulate_one(requests, "default", capacity).prefix_hit_ratio
-    lru = simulate_one(requests, "lru", capacity).prefix_hit_ratio
+def test_default_beats_lru_by_ten_percent_on_the_synthetic_trace(replays):
+    ours, lru = (replays[SYNTHETIC, False, 0.05, p].result() for p in ("default", "lru"))
     assert ours >= 1.10 * lru, f"{ours:.4f} < 1.10 × {lru:.4f}"
