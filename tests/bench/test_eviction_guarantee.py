@@ -14,10 +14,12 @@ back. The cells where the compact prefix falls short are listed in ``COMPACT_SHO
 strict xfails: measured on every run, and the day one holds, the test fails until it is taken off the
 list. ``docs/eviction.md`` shows that 80 k-access prefixes still miss 5 cells that pass at full size.
 
-Every replay is independent and deterministic, so the module loads the traces once, then hands every
-replay to a pool of forked worker processes (one per available core, at most ``MAX_WORKERS``) and each
-test waits for its own: the same real policies on the same traces, spread over the cores a serial test
-run leaves idle (on one core it costs what the serial replays cost).
+Every replay is independent and deterministic, so the module hands every replay to a pool of worker
+processes (one per available core, at most ``MAX_WORKERS``) and each test waits for its own: the same
+real policies on the same traces, spread over the cores a serial test run leaves idle (on one core it
+costs what the serial replays cost, plus each worker's import and trace loading). The workers come
+from a fork server, not a fork of the test process: by this point that process holds other tests'
+threads (torch's, the gateway's pools), and a fork copies any lock one of them holds.
 """
 
 import functools
@@ -81,9 +83,8 @@ def replays(request):
         else:
             trace, fraction = item.callspec.params["trace"], item.callspec.params["fraction"]
             cells += [(trace.name, not FULL, fraction, policy) for policy in ("default", "lru", "arc")]
-    for trace_name, compact, _, _ in cells:  # loaded once, here: forked workers inherit the cache
-        _requests(trace_name, compact)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    context = multiprocessing.get_context("forkserver")  # each worker loads the traces it needs, once
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures: dict[tuple, Future[float]] = {cell: pool.submit(_prefix_hit_ratio, *cell) for cell in cells}
         yield futures
         for future in futures.values():
