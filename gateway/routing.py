@@ -111,14 +111,18 @@ class KVAwareRouter:
     only as long as the cache it lands in keeps it, so of its two best rendezvous workers (within the
     load bound) it goes to the one under less *write pressure* (device-pool blocks stored lately, from
     the KV events): the cache that turns over slower. But its whole prompt is to be prefilled, so if
-    one of the two has more than ``cold_in_flight_slack`` requests in flight beyond the other, the
-    less busy one takes it (the power of two choices; the slowest 5 % of KV-aware requests in
-    ``bench.routing_losses`` were such prefills on the busier worker). Two choices, not all workers:
-    every gateway replica sees the same stale pressures for a moment, and two choices per key do not herd new
-    prefixes onto one worker while the index lags. Pressures less than one prompt's blocks apart count
-    as equal and the rendezvous order decides. A placement is remembered (``remembered_placements``
-    keys, per router): until the prefix's blocks reach the index, its next requests follow the first
-    to the same worker even if pressures moved meanwhile, as the plain hash would send them.
+    one of the two has a backlog (``backlog_tokens``: prefill tokens waiting there, this gateway's
+    pending count being exact at once, plus running sequences) larger than the other's by more than
+    the prompt itself, the less busy one takes it (the power of two choices; the slowest 5 % of
+    KV-aware requests in ``bench.routing_losses`` were such prefills on the busier worker). Two
+    choices, not all workers: every gateway replica sees the same stale pressures for a moment, and
+    two choices per key do not herd new prefixes onto one worker while the index lags. Pressures less
+    than one prompt's blocks apart count as equal; between equals the smaller backlog wins (in the
+    opening burst, every cache empty, this deals the cold prompts out like least-loaded does, by
+    tokens), and the rendezvous order only breaks exact ties. A placement is remembered
+    (``remembered_placements`` keys, per router): until the prefix's blocks reach the index, its next
+    requests follow the first to the same worker even if pressures moved meanwhile, as the plain hash
+    would send them.
     """
 
     running_cost_tokens: float = 8.0  # a decode step is cheap next to prefill (measured: bench.routing)
