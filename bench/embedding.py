@@ -18,8 +18,13 @@ near duplicate: the same prompt with another ticket id and date (a per-request s
    thread hand-off (an empty job through the urgent queue and back to the event loop).
 3. **Quality**: recall@1 of near duplicates (is a variant's nearest head its own base?) and the lowest
    cosine with fp32, for ``max_seq_tokens`` 32 (the default) and shorter truncations.
-4. **Batching**: ms per head when several heads share one ``session.run`` (padded, masked mean).
-5. **Fairness**: a tenant floods ``--flood`` distinct heads into the background queue, then a quiet
+4. **The routing bench's heads**: ``bench.routing``'s ``near_duplicate`` requests (token-id prompts,
+   600), their 128-token heads decoded: recall of the right candidate (the tenant's earlier prompt
+   sharing the longest prefix) per ``max_seq_tokens``, and every request's head through
+   ``await embed(urgent=True)`` of a fresh embedder, as is and under load: model runs (the LRU serves
+   heads whose word pieces the tenant had embedded already) and the per-request time.
+5. **Batching**: ms per head when several heads share one ``session.run`` (padded, masked mean).
+6. **Fairness**: a tenant floods ``--flood`` distinct heads into the background queue, then a quiet
    tenant asks for one; the quiet tenant's wait with one shared queue (embeddings submitted without a
    tenant: one FIFO, no cap) and with per-tenant queues (round-robin, capped), and the latency of the
    quiet tenant's urgent embeddings (arriving at random moments) while the background thread works
@@ -231,6 +236,61 @@ def quality(model_dir: Path, cache_dir: Path, reference: PromptEmbedder, bases, 
     return result
 
 
+def routing_workload(model_dir: Path, cache_dir: Path, num_requests: int) -> tuple[list, list[str], dict]:
+    """``bench.routing``'s ``near_duplicate`` requests, their heads (decoded like the gateway does), and
+    per ``max_seq_tokens`` the recall of the *right* candidate: for each request whose tenant sent an
+    earlier prompt sharing a block with it, is the nearest (by embedding) of the tenant's 16 latest
+    prompts one sharing the longest prefix (what near miss routes to)?"""
+    from bench.routing import BLOCK, workload
+    from gateway.embedding_onnx import load_encoder
+
+    tokenizer = Tokenizer.from_file(str(ROOT / "worker" / "builtin" / "tokenizer.json"))
+    requests = workload("near_duplicate", num_requests, 0, prompts_per_tenant=10)
+    heads = [tokenizer.decode(r.prompt[:HEAD_TOKENS], skip_special_tokens=False) for r in requests]
+
+    def shared_blocks(a: list[int], b: list[int]) -> int:
+        n = 0
+        while (n + 1) * BLOCK <= min(len(a), len(b)) and a[: (n + 1) * BLOCK] == b[: (n + 1) * BLOCK]:
+            n += 1
+        return n
+
+    recall = {}
+    for tokens in (32, 16, 8):
+        encoder = load_encoder(model_dir, cache_dir, max_seq_tokens=tokens, threads=1)
+        vectors = {head: encoder.encode(head) for head in set(heads)}
+        right = asked = 0
+        for i, request in enumerate(requests):
+            earlier = [j for j in range(i) if requests[j].tenant == request.tenant][-16:]
+            best = max((shared_blocks(request.prompt, requests[j].prompt) for j in earlier), default=0)
+            if best == 0:
+                continue
+            nearest = max(earlier, key=lambda j: float(vectors[heads[j]] @ vectors[heads[i]]))
+            right += shared_blocks(request.prompt, requests[nearest].prompt) == best
+            asked += 1
+        recall[f"int8_{tokens}"] = {"asked": asked, "right_candidate": round(right / max(1, asked), 3)}
+    return requests, heads, recall
+
+
+async def routed_path(cache_dir: Path, requests, heads: list[str]) -> dict:
+    """Every request's head through a fresh embedder, as the request path asks (``await embed(urgent)``,
+    per tenant, in arrival order): how many the model computed and what each request waited."""
+    embedder = PromptEmbedder(cache_dir=cache_dir)
+    await embedder.warm_up()
+    times = []
+    for request, head in zip(requests, heads, strict=True):
+        started = time.perf_counter()
+        await embedder.embed(head, urgent=True, tenant=f"t{request.tenant}")
+        times.append(time.perf_counter() - started)
+    embedder.close()
+    return {
+        "requests": len(requests),
+        "distinct_heads": len({(r.tenant, h) for r, h in zip(requests, heads, strict=True)}),
+        "model_runs": embedder.model_runs,
+        "p50_ms": ms(times, 50),
+        "p99_ms": ms(times, 99),
+    }
+
+
 def _timed(fn, arg) -> float:
     started = time.perf_counter()
     fn(arg)
@@ -297,6 +357,7 @@ async def main() -> None:
     parser.add_argument("--quick", action="store_true", help="100 heads")
     parser.add_argument("--load-procs", type=int, default=2)
     parser.add_argument("--flood", type=int, default=64)
+    parser.add_argument("--routing-requests", type=int, default=600, help="bench.routing near_duplicate")
     parser.add_argument("--cache-dir", type=Path, default=None, help="keep the exported graph here")
     args = parser.parse_args()
     count = 100 if args.quick else args.heads
@@ -310,6 +371,7 @@ async def main() -> None:
         reference.embed_blocking("warm up")
         encoder = fast._encode_fn.__self__  # the OnnxEncoder behind the gateway's embedder
         results: dict = {"backend": fast.backend, "heads": count}
+        load = f"load{args.load_procs}"
         results["as_is"] = await latency(fast, reference, bases)
         results["breakdown"] = {**breakdown(encoder, bases), "hand_off_ms": await hand_off(fast)}
         with cpu_load(args.load_procs):
@@ -318,6 +380,12 @@ async def main() -> None:
                 **breakdown(encoder, variants),
                 "hand_off_ms": await hand_off(fast),
             }
+        requests, heads, results["routing_recall"] = routing_workload(
+            fast._model_dir(), cache_dir, args.routing_requests
+        )
+        results["routing_path"] = {"as is": await routed_path(cache_dir, requests, heads)}
+        with cpu_load(args.load_procs):
+            results["routing_path"][load] = await routed_path(cache_dir, requests, heads)
         results["quality"] = quality(fast._model_dir(), cache_dir, reference, bases, variants)
         results["batching"] = batching(encoder, bases)
         results["fairness_one_queue"] = await fairness(cache_dir, bases, args.flood, per_tenant=False)
@@ -327,10 +395,11 @@ async def main() -> None:
         )
         fast.close()
         reference.close()
-    load = f"load{args.load_procs}"
     table(console, f"embedding latency ms, {count} heads", {"as is": results["as_is"], load: results[load]})
     table(console, "int8 step medians ms", {"as is": results["breakdown"], load: results["breakdown_loaded"]})
     table(console, "quality vs max_seq_tokens (near duplicates)", results["quality"])
+    table(console, "bench.routing near_duplicate: right candidate", results["routing_recall"])
+    table(console, "bench.routing near_duplicate heads through embed(urgent)", results["routing_path"])
     table(console, "batched session.run (int8)", {"ms per head": results["batching"]})
     table(
         console,
@@ -354,6 +423,10 @@ async def main() -> None:
         "quiet_wait_one_queue_ms": results["fairness_one_queue"]["quiet_wait_ms"],
         "quiet_wait_per_tenant_ms": results["fairness_per_tenant"]["quiet_wait_ms"],
         "urgent_during_flood_p50_ms": results["fairness_per_tenant"]["urgent_p50_ms"],
+        "routing_heads_model_runs": results["routing_path"]["as is"]["model_runs"],
+        "routing_heads_distinct": results["routing_path"]["as is"]["distinct_heads"],
+        "routing_path_p50_ms": results["routing_path"]["as is"]["p50_ms"],
+        "loaded_routing_path_p50_ms": results["routing_path"][load]["p50_ms"],
     }
     print(json.dumps({"results": results, "summary": summary}))
 

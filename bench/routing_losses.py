@@ -2,6 +2,7 @@
 
     python -m bench.routing_losses --quick --seeds 0 1 --policies round_robin least_loaded kv_aware
     python -m bench.routing_losses --simulate --seeds 0 1 2 3   # the LRU capacity bound, no servers
+    python -m bench.routing_losses --opening --seeds $(seq 0 19)  # the opening burst's placement, no servers
 
 Runs ``bench.routing``'s ``multi_tenant`` workload on 3 real workers, policy after policy, and for the
 KV-aware policy records every routing decision (what the KV-event index said each worker holds, the
@@ -25,7 +26,13 @@ blocks it missed against that are charged to one cause:
 (minus the one the scheduler keeps free), one request at a time, with the rendezvous hash and with the
 KV-aware rule (longest holder; a cold prefix to the less write-pressed of its two rendezvous workers,
 remembered): the hit ratio capacity allows, with no index lag, no concurrency and no eviction policy
-but LRU. Ends with one JSON line.
+but LRU.
+
+``--opening`` places the first ``--concurrency`` requests (the closed loop sends them at once, every cache
+empty) with the KV-aware router and with least-loaded, as this gateway sees them (in flight and pending
+prefill tokens counted per placement; a request whose head was placed before follows it and adds only
+what it does not share with that worker's earlier prompt), and compares the most prefill tokens any one
+worker got: the slowest of the opening's prefills waits for about that many. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ async def run(name: str, urls: list[str], requests, args, tmp: Path, progress, t
                 async with session.post(f"{url}/v1/purge", json={"namespace_id": tenant["namespace_id"]}):
                     pass
     await runner.cleanup()
-    return summarize(requests, served, dict(DECISIONS))
+    return summarize(requests, served, dict(DECISIONS), warmup=2 * args.concurrency)
 
 
 def common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -128,7 +135,7 @@ def common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
-def summarize(requests, served, decisions: dict) -> dict:
+def summarize(requests, served, decisions: dict, warmup: int = 16) -> dict:
     by_order = {order: (prompt, ttft, cached) for order, prompt, ttft, cached in served}
     total_tokens = sum(len(r.prompt) for r in requests)
     ideal_tokens, lost = 0, Counter()
@@ -181,6 +188,20 @@ def summarize(requests, served, decisions: dict) -> dict:
     else:
         tail_info = {}
     cached_tokens = sum(c for _, _, c in by_order.values())
+    # p99 of 150 is the second slowest request: which were they, and were they in the opening burst
+    # (the first 2 x concurrency requests, sent while every cache was empty, for every policy alike)?
+    slowest = sorted(by_order.items(), key=lambda item: -item[1][1])[:2]
+    tail_requests = [
+        {
+            "order": order,
+            "prompt_tokens": len(prompt),
+            "cached_tokens": cached,
+            "ttft_ms": round(ttft),
+            "opening": order < warmup,
+        }
+        for order, (prompt, ttft, cached) in slowest
+    ]
+    after_warmup = [ttft for order, (_, ttft, _) in by_order.items() if order >= warmup]
     return {
         "hit_ratio": round(cached_tokens / total_tokens, 4),
         "ideal_hit_ratio": round(ideal_tokens / total_tokens, 4),
@@ -189,8 +210,38 @@ def summarize(requests, served, decisions: dict) -> dict:
         "lost_blocks": dict(lost),
         "held": sum(1 for d in decisions.values() if d.get("hold_s", 0) > 0),  # followers that waited
         "slowest_5pct": tail_info,
+        "slowest_2": tail_requests,
+        "ttft_p99_after_opening_ms": round(percentile(after_warmup, 99), 1),
         "lost_hit_ratio": round(sum(lost.values()) * BLOCK / total_tokens, 4),
     }
+
+
+def opening(seed: int, args, policy: str) -> int:
+    """The most prefill tokens one worker gets from the opening burst (module docstring)."""
+    requests = workload("multi_tenant", 150, seed, prompts_per_tenant=args.prompts_per_tenant)
+    urls = [f"http://127.0.0.1:{port}" for port in (1, 2, 3)]
+    router = routing.ROUTERS[policy]()
+    pending, in_flight = dict.fromkeys(urls, 0), dict.fromkeys(urls, 0)
+    placed: dict[str, list[tuple[int, ...]]] = {url: [] for url in urls}
+    for request in requests[: args.concurrency]:
+        prompt = tuple(request.prompt)
+        candidates = [
+            routing.WorkerLoad(url=url, in_flight=in_flight[url], pending_prefill_tokens=pending[url])
+            for url in urls
+        ]
+        url = router.choose(
+            routing.RouteRequest(
+                affinity_key=repr((request.tenant, prompt[: 4 * BLOCK])).encode(),
+                candidates=candidates,
+                num_prompt_tokens=len(prompt),
+                block_size=BLOCK,
+            )
+        )
+        shared = max((common_blocks(prompt, other) for other in placed[url]), default=0)
+        pending[url] += len(prompt) - shared * BLOCK
+        in_flight[url] += 1
+        placed[url].append(prompt)
+    return max(pending.values())
 
 
 def simulate(seed: int, args, placement: str, capacity: int | None) -> float:
@@ -288,7 +339,21 @@ def main() -> None:
     parser.add_argument("--worker-args", default="", help="extra worker flags, --worker-args='--a b'")
     parser.add_argument("--policies", nargs="+", default=["round_robin", "least_loaded", "kv_aware"])
     parser.add_argument("--simulate", action="store_true", help="the LRU capacity bound only")
+    parser.add_argument("--opening", action="store_true", help="the opening burst's placement only")
     args = parser.parse_args()
+    if args.opening:
+        rows = {
+            f"seed{seed}": {name: opening(seed, args, name) for name in ("kv_aware", "least_loaded")}
+            for seed in args.seeds
+        }
+        ratios = [row["kv_aware"] / row["least_loaded"] for row in rows.values()]
+        summary = {
+            "kv_aware_vs_least_loaded_max_tokens": [round(r, 2) for r in ratios],
+            "mean": round(sum(ratios) / len(ratios), 3),
+            "kv_aware_worse": sum(r > 1 for r in ratios),
+        }
+        print(json.dumps({"opening_max_prefill_tokens": rows, "summary": summary}))
+        return
     if args.simulate:
         rows = {
             f"seed{seed}": {
@@ -313,6 +378,10 @@ def main() -> None:
             if "least_loaded" in by_policy and name != "least_loaded":
                 summary[f"{seed}/{name}_p99_vs_least_loaded"] = [
                     round(r["ttft_p99_ms"] / b["ttft_p99_ms"], 2)
+                    for r, b in zip(rows, by_policy["least_loaded"], strict=False)
+                ]
+                summary[f"{seed}/{name}_p99_after_opening_vs_least_loaded"] = [
+                    round(r["ttft_p99_after_opening_ms"] / b["ttft_p99_after_opening_ms"], 2)
                     for r, b in zip(rows, by_policy["least_loaded"], strict=False)
                 ]
     print(json.dumps({"results": out, "summary": summary}))

@@ -37,6 +37,7 @@ import blake3
 import numpy as np
 
 if TYPE_CHECKING:
+    from gateway.embedding_onnx import OnnxEncoder
     from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,12 @@ def _key(text: str, tenant: str) -> bytes:
     return blake3.blake3(tenant.encode() + b"\0" + text.encode()).digest(16)
 
 
+def _pieces_key(pieces: tuple[int, ...], tenant: str) -> bytes:
+    """The cache key of the word pieces the model reads of a head: per tenant too (``_key``)."""
+    ids = np.asarray(pieces, dtype="<u4").tobytes()
+    return blake3.blake3(b"pieces\0" + tenant.encode() + b"\0" + ids).digest(16)
+
+
 class PromptEmbedder:
     def __init__(
         self,
@@ -200,12 +207,14 @@ class PromptEmbedder:
             "near-miss-embed-bg", FairQueue(background_per_tenant), nice=background_nice
         )
         self._encode_fn: Callable[[str], np.ndarray] | None = None
+        self._encoder: OnnxEncoder | None = None  # the int8 graph, once loaded (it tokenizes apart)
         self._load_lock = threading.Lock()
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()  # both threads fill it: _cache_lock
         self._cache_lock = threading.Lock()
         self._cache_entries = cache_entries
         self._in_flight: dict[bytes, tuple[Future, bool]] = {}  # key -> (future, urgent)
         self.pending = 0  # embeddings awaited (callers shed optional work above a bound)
+        self.model_runs = 0  # heads the model computed (the rest came from the LRU: tests, benchmarks)
         self.shed: dict[str, int] = {}  # background embeddings shed, per tenant
         self._shed_counter = None
         self._tenant_label: Callable[[str], str] = lambda tenant: tenant
@@ -250,6 +259,7 @@ class PromptEmbedder:
             )
             return None
         self.backend = "onnx-int8"
+        self._encoder = encoder
         return encoder.encode
 
     def _load_sentence_transformers(self) -> Callable[[str], np.ndarray]:
@@ -267,16 +277,34 @@ class PromptEmbedder:
         self.backend = "sentence-transformers"
         return encode
 
-    def _compute(self, key: bytes, text: str) -> np.ndarray:
-        """In an embedding thread: the vector, unless the other thread has just computed it."""
+    def _compute(self, key: bytes, text: str, tenant: str) -> np.ndarray:
+        """In an embedding thread: the vector, unless the other thread has just computed it, or the
+        tenant had a head with the same word pieces (the model reads only the first ``max_seq_tokens``:
+        heads that differ after them, near duplicates with a late per-request span, embed alike)."""
         vector = self._lookup(key)
+        if vector is not None:
+            return vector
+        encode = self._load()
+        if self._encoder is None:  # sentence-transformers: its own tokenization, keyed by text only
+            vector = encode(text)
+            self.model_runs += 1
+            self._store(key, vector)
+            return vector
+        pieces = self._encoder.word_pieces(text)
+        pieces_key = _pieces_key(pieces, tenant)
+        vector = self._lookup(pieces_key)
         if vector is None:
-            vector = self._load()(text)
-            with self._cache_lock:
-                self._cache[key] = vector
-                if len(self._cache) > self._cache_entries:
-                    self._cache.popitem(last=False)
+            vector = self._encoder.encode_pieces(pieces)
+            self.model_runs += 1
+            self._store(pieces_key, vector)
+        self._store(key, vector)
         return vector
+
+    def _store(self, key: bytes, vector: np.ndarray) -> None:
+        with self._cache_lock:
+            self._cache[key] = vector
+            if len(self._cache) > self._cache_entries:
+                self._cache.popitem(last=False)
 
     def _lookup(self, key: bytes) -> np.ndarray | None:
         with self._cache_lock:
@@ -316,7 +344,7 @@ class PromptEmbedder:
 
     def _submit(self, key: bytes, text: str, *, urgent: bool, tenant: str) -> Future:
         thread = self._urgent if urgent else self._background
-        future = thread.submit(tenant, self._compute, key, text)
+        future = thread.submit(tenant, self._compute, key, text, tenant)
         if future is None:
             self.shed[tenant] = self.shed.get(tenant, 0) + 1
             if self._shed_counter is not None:

@@ -55,11 +55,18 @@ class OnnxEncoder:
 
     def encode(self, text: str) -> np.ndarray:
         """The unit-norm float32 embedding of ``text`` (mean of the token states, like the model)."""
-        encoding = self.tokenizer.encode(text)
-        ids = np.asarray([encoding.ids], dtype=np.int64)
+        return self.encode_pieces(self.word_pieces(text))
+
+    def word_pieces(self, text: str) -> tuple[int, ...]:
+        """The word-piece ids the model reads of ``text`` (truncated): all its embedding depends on."""
+        return tuple(self.tokenizer.encode(text).ids)
+
+    def encode_pieces(self, pieces: tuple[int, ...]) -> np.ndarray:
+        """The embedding of ``word_pieces(text)`` (no padding: every piece is attended)."""
+        ids = np.asarray([pieces], dtype=np.int64)
         feeds = {
             "input_ids": ids,
-            "attention_mask": np.asarray([encoding.attention_mask], dtype=np.int64),
+            "attention_mask": np.ones_like(ids),
             "token_type_ids": np.zeros_like(ids),
         }
         hidden = self.session.run(None, {k: v for k, v in feeds.items() if k in self.input_names})[0][0]

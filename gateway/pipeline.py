@@ -138,6 +138,7 @@ class PreparedRequest:
     promoted_prefix_tokens: int = 0  # tokens hashed in the promoted namespace as a promoted hot prefix
     promotion: PromotionMatch = PromotionMatch()  # reported tokens, and what to count once served
     near_miss_exact_tokens: int | None = None  # near-miss route: the exact index's cached tokens there
+    prefill_tokens: int = 0  # prompt tokens the worker is expected to compute (not cached there, per index)
     x_request_id: str = ""  # the client-facing request id (gateway.request_id), for the worker's logs
 
     def near_miss_tokens(self, cached_tokens: int) -> int:
@@ -435,6 +436,7 @@ class RequestPipeline:
             if near_miss.worker_url != worker_url:  # the prefix is computed there, not where it was placed
                 self.abandon(route_request)
             worker_url, near_miss_exact_tokens = near_miss.worker_url, near_miss.exact_tokens
+        cached_blocks = next((w.cached_blocks for w in route_request.candidates if w.url == worker_url), 0)
         return PreparedRequest(
             request_id=request_id,
             endpoint=endpoint,
@@ -452,6 +454,7 @@ class RequestPipeline:
             promoted_prefix_tokens=promoted if len(segments) > 1 else 0,
             promotion=promotion,
             near_miss_exact_tokens=near_miss_exact_tokens,
+            prefill_tokens=max(1, len(token_ids) - cached_blocks * model.block_size),
             x_request_id=x_request_id,
         )
 
@@ -492,6 +495,7 @@ class RequestPipeline:
             tried.add(prepared.worker_url)
             state = self._pool.workers[prepared.worker_url]
             state.in_flight += 1
+            state.pending_prefill_tokens += prepared.prefill_tokens  # until the answer: no first token here
             try:
                 call = state.client.generate(prepared.worker_payload())
                 return await self._pool.until_lost(state, call, prepared.request_id)
@@ -502,6 +506,7 @@ class RequestPipeline:
                 raise
             finally:
                 state.in_flight -= 1
+                state.pending_prefill_tokens -= prepared.prefill_tokens
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[dict[str, Any]]:
         """The worker's events; raises on an error event. Closing it early aborts the worker request."""
@@ -510,6 +515,8 @@ class RequestPipeline:
             tried.add(prepared.worker_url)
             state = self._pool.workers[prepared.worker_url]
             state.in_flight += 1
+            prefilling = prepared.prefill_tokens  # pending on the worker until its first event
+            state.pending_prefill_tokens += prefilling
             finished = False
             try:
                 worker_events = state.client.generate_stream(prepared.worker_payload())
@@ -520,6 +527,8 @@ class RequestPipeline:
                         finished = True  # nothing to abort there
                         prepared = await self._retry(prepared, exc, tried)
                         continue
+                    state.pending_prefill_tokens -= prefilling
+                    prefilling = 0
                     while event is not None:
                         kind = event.get("type")
                         if kind == "error":
@@ -532,6 +541,7 @@ class RequestPipeline:
                     return
             finally:
                 state.in_flight -= 1
+                state.pending_prefill_tokens -= prefilling
                 if not finished:
                     self._abort_later(prepared)
 

@@ -31,6 +31,9 @@ class WorkerLoad:
     num_running: int = 0  # sequences running on the worker (its last report, all gateways)
     queued_prefill_tokens: int = 0  # prompt tokens waiting for prefill there (its last report)
     write_pressure_blocks: float = 0.0  # device-pool blocks it stored lately (gateway.kv_index, decayed)
+    # Uncached prompt tokens of this gateway's requests there that have no first token yet (immediate,
+    # unlike the worker's own report, which arrives with its KV events)
+    pending_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,21 +112,24 @@ class KVAwareRouter:
     only as long as the cache it lands in keeps it, so of its two best rendezvous workers (within the
     load bound) it goes to the one under less *write pressure* (device-pool blocks stored lately, from
     the KV events): the cache that turns over slower. But its whole prompt is to be prefilled, so if
-    one of the two has more than ``cold_in_flight_slack`` requests in flight beyond the other, the
-    less busy one takes it (the power of two choices; the slowest 5 % of KV-aware requests in
-    ``bench.routing_losses`` were such prefills on the busier worker). Two choices, not all workers:
-    every gateway replica sees the same stale pressures for a moment, and two choices per key do not herd new
-    prefixes onto one worker while the index lags. Pressures less than one prompt's blocks apart count
-    as equal and the rendezvous order decides. A placement is remembered (``remembered_placements``
-    keys, per router): until the prefix's blocks reach the index, its next requests follow the first
-    to the same worker even if pressures moved meanwhile, as the plain hash would send them.
+    one of the two has a backlog (``backlog_tokens``: prefill tokens waiting there, this gateway's
+    pending count being exact at once, plus running sequences) larger than the other's by more than
+    the prompt itself, the less busy one takes it (the power of two choices; the slowest 5 % of
+    KV-aware requests in ``bench.routing_losses`` were such prefills on the busier worker). Two
+    choices, not all workers: every gateway replica sees the same stale pressures for a moment, and
+    two choices per key do not herd new prefixes onto one worker while the index lags. Pressures less
+    than one prompt's blocks apart count as equal; between equals the smaller backlog wins (in the
+    opening burst, every cache empty, this deals the cold prompts out like least-loaded does, by
+    tokens), and the rendezvous order only breaks exact ties. A placement is remembered
+    (``remembered_placements`` keys, per router): until the prefix's blocks reach the index, its next
+    requests follow the first to the same worker even if pressures moved meanwhile, as the plain hash
+    would send them.
     """
 
     running_cost_tokens: float = 8.0  # a decode step is cheap next to prefill (measured: bench.routing)
     min_cached_blocks: int = 1
     fallback: RendezvousRouter = RendezvousRouter()
     remembered_placements: int = 4096
-    cold_in_flight_slack: int = 1  # a cold prefix avoids the busier of its two workers past this gap
     leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
     clock: Callable[[], float] = time.monotonic
     # key -> (url, placed at, head block, request id): a follower holds only for the same head (a
@@ -133,8 +139,14 @@ class KVAwareRouter:
 
     def cost_tokens(self, request: RouteRequest, worker: WorkerLoad) -> float:
         uncached = max(0.0, request.num_prompt_tokens - worker.cached_weighted_blocks * request.block_size)
-        running = max(worker.num_running, worker.in_flight)
-        return uncached + worker.queued_prefill_tokens + self.running_cost_tokens * running
+        return uncached + self.backlog_tokens(worker)
+
+    def backlog_tokens(self, worker: WorkerLoad) -> float:
+        """The work ahead of a new request there, in prefill tokens: prompt tokens waiting to be
+        prefilled (the worker's report, or this gateway's own count when larger: the report lags by
+        up to one KV-event poll) plus ``running_cost_tokens`` per running sequence."""
+        queued = max(worker.queued_prefill_tokens, worker.pending_prefill_tokens)
+        return queued + self.running_cost_tokens * max(worker.num_running, worker.in_flight)
 
     def choose(self, request: RouteRequest) -> str:
         return self.choose_and_hold(request)[0]
@@ -175,13 +187,16 @@ class KVAwareRouter:
             same_head = request.head_block is not None and request.head_block == placed[2]
             hold = placed[1] + self.leader_hold_s - now if same_head else 0.0
             return placed[0], max(0.0, hold)
-        choices = eligible[:2]
-        if len(choices) == 2 and abs(choices[0].in_flight - choices[1].in_flight) > self.cold_in_flight_slack:
-            url = min(choices, key=lambda worker: worker.in_flight).url  # its whole prefill queues there
-        else:
-            least = min(worker.write_pressure_blocks for worker in choices)
-            tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt writes
-            url = next(w.url for w in choices if w.write_pressure_blocks <= least + tolerance)
+        choices = eligible[:2]  # in rendezvous order: min() keeps it between equals
+        least = min(worker.write_pressure_blocks for worker in choices)
+        tolerance = max(1.0, request.num_prompt_tokens / request.block_size)  # what this prompt writes
+        calm = [w for w in choices if w.write_pressure_blocks <= least + tolerance]
+        backlogs = [self.backlog_tokens(worker) for worker in choices]
+        if len(choices) == 2 and abs(backlogs[0] - backlogs[1]) > request.num_prompt_tokens:
+            # its whole prefill queues there: more than its own prefill's worth of waiting doubles its TTFT
+            url = choices[backlogs[1] < backlogs[0]].url
+        else:  # between equally pressed caches, the shorter prefill queue (the hash order only breaks ties)
+            url = min(calm, key=self.backlog_tokens).url
         self._placed[key] = (url, now, request.head_block, request.request_id)
         if len(self._placed) > self.remembered_placements:
             self._placed.popitem(last=False)

@@ -38,6 +38,7 @@ class WorkerState:
     worker_id: str | None = None  # changes when the worker restarts
     model_id: str | None = None
     in_flight: int = 0  # requests this gateway has outstanding on it
+    pending_prefill_tokens: int = 0  # of those, prompt tokens not yet prefilled (no first token yet)
     last_error: str | None = None
     lost: asyncio.Future[None] | None = None  # resolved when the worker is found hung or dead
 
@@ -105,7 +106,11 @@ class WorkerPool:
         if group is None:
             return []
         return [
-            WorkerLoad(url=url, in_flight=self.workers[url].in_flight)
+            WorkerLoad(
+                url=url,
+                in_flight=self.workers[url].in_flight,
+                pending_prefill_tokens=self.workers[url].pending_prefill_tokens,
+            )
             for url in group.worker_urls
             if self.workers[url].healthy
         ]

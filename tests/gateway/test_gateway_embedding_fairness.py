@@ -156,3 +156,22 @@ async def test_another_tenants_head_is_never_a_cache_hit_or_an_in_flight_join(em
         assert np.allclose(await embedder.embed(head, tenant="tn_b"), mine) and theirs is not None
     finally:
         embedder.close()
+
+
+async def test_heads_that_differ_only_past_the_word_pieces_read_are_embedded_once_per_tenant(embedding_cache):  # noqa: F811
+    """The model reads the first ``max_seq_tokens`` word pieces of a head: heads that differ only after
+    them (a near duplicate whose per-request span comes later) have the same embedding, so the LRU
+    serves them without running the model again; keyed per tenant, like every cache entry."""
+    embedder = PromptEmbedder(cache_dir=embedding_cache, max_seq_tokens=16)
+    try:
+        opening = "You are the billing assistant of Acme Corp and you answer in JSON with the totals"
+        first = await asyncio.wait_for(embedder.embed(f"{opening}. Ticket 7f3a.", tenant="a"), HANG_GUARD_S)
+        assert embedder.model_runs == 1
+        second = await asyncio.wait_for(embedder.embed(f"{opening}. Ticket 91bc.", tenant="a"), HANG_GUARD_S)
+        assert embedder.model_runs == 1 and np.array_equal(first, second)
+        await asyncio.wait_for(embedder.embed(f"{opening}. Ticket 91bc.", tenant="b"), HANG_GUARD_S)
+        assert embedder.model_runs == 2  # another tenant's head is never a cache hit
+        await asyncio.wait_for(embedder.embed(f"Ticket 91bc. {opening}.", tenant="a"), HANG_GUARD_S)
+        assert embedder.model_runs == 3  # a difference inside the pieces read is computed
+    finally:
+        embedder.close()

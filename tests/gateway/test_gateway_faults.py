@@ -112,6 +112,8 @@ async def test_killed_worker_requests_end_fast_and_new_ones_go_elsewhere(
     assert [status for status, _ in fresh] == [200] * 12, [body for status, body in fresh if status != 200]
     assert time.monotonic() - started < BOUND_S
     assert not pool.workers[url].healthy
+    # Retried, failed and finished requests alike gave back what they counted (the router weighs these).
+    assert [(s.in_flight, s.pending_prefill_tokens) for s in pool.workers.values()] == [(0, 0)] * 2
 
 
 async def test_hung_worker_is_detected_and_its_requests_end(
@@ -149,6 +151,7 @@ async def test_hung_worker_is_detected_and_its_requests_end(
     assert [status for status, _ in fresh] == [200] * 8, fresh
     health = await (await client.get("/healthz")).json()
     assert health["workers_healthy"] == 1, (health, detected_s)
+    assert [(s.in_flight, s.pending_prefill_tokens) for s in pool.workers.values()] == [(0, 0)] * 2
     os.kill(pid, signal.SIGCONT)
     await wait_for(lambda: pool.workers[url].healthy, timeout_s=10)  # back in the pool once it answers
 

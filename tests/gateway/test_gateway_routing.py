@@ -279,19 +279,32 @@ async def test_index_wakes_a_waiter_when_the_worker_announces_the_block():
 
 
 def test_kv_aware_places_a_cold_prefix_on_the_less_busy_of_its_two_workers():
+    """Busy in prefill tokens, not in requests: a cold prompt is prefilled whole, behind the prompt tokens
+    already waiting there; requests past their first token (decoding) cost ``running_cost_tokens`` each."""
     key = b"cold-prefix-key!"
     first, second = sorted(URLS, key=lambda url: _rank(key, url))[:2]  # its two rendezvous workers
 
-    def placed(in_flight: dict[str, int], pressure: dict[str, float]) -> str:
+    def placed(pending: dict[str, int], pressure: dict[str, float], in_flight: dict[str, int] | None = None):
         workers = [
-            WorkerLoad(url=u, in_flight=in_flight.get(u, 0), write_pressure_blocks=pressure.get(u, 0.0))
+            WorkerLoad(
+                url=u,
+                in_flight=(in_flight or {}).get(u, 0),
+                pending_prefill_tokens=pending.get(u, 0),
+                write_pressure_blocks=pressure.get(u, 0.0),
+            )
             for u in URLS
         ]
         request = RouteRequest(affinity_key=key, candidates=workers, num_prompt_tokens=64)
         return KVAwareRouter().choose(request)
 
     assert placed({}, {}) == first  # equal: the rendezvous order
+    assert placed({first: 30}, {}) == second  # equally pressed caches: the shorter prefill queue
+    assert placed({}, {}, in_flight={first: 1}) == second  # (one running sequence there: still longer)
     assert placed({}, {first: 500.0}) == second  # the cache that turns over slower
-    assert placed({first: 1}, {second: 500.0}) == first  # one request apart: still by pressure
-    assert placed({first: 2}, {second: 500.0}) == second  # a queue on the first: its prefill avoids it
-    assert placed({second: 3}, {first: 500.0}) == first
+    assert placed({first: 60}, {second: 500.0}) == first  # less than its own prompt apart: by pressure
+    assert placed({first: 400}, {second: 500.0}) == second  # a prefill queue on the first: avoid it
+    assert placed({second: 400}, {first: 500.0}) == first
+    # Two requests there that are decoding (no prefill pending) do not outweigh the pressure; two whole
+    # prompts waiting for their prefill do.
+    assert placed({}, {second: 500.0}, in_flight={first: 2}) == first
+    assert placed({first: 2 * 300}, {second: 500.0}, in_flight={first: 2}) == second
