@@ -28,14 +28,19 @@ from tenancy.policy import PolicyError, TenantPolicy
 from tenancy.repository import Conflict, KeyInfo, NewKey, NotFound
 
 
-@web.middleware
-async def admin_auth_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+def check_admin_token(request: web.Request) -> None:
+    """Raises unless the request bears the admin token (403 when the admin API is disabled)."""
     expected = request.config_dict[CONFIG].admin_token
     if not expected:
         raise PermissionDenied("the admin API is disabled: set PREFIXGATE_ADMIN_TOKEN")
     given = bearer_token(request)
     if given is None or not tokens_equal(given, expected):
         raise AuthenticationError("invalid admin token", code="invalid_admin_token")
+
+
+@web.middleware
+async def admin_auth_middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    check_admin_token(request)
     _check_path_and_query(request)
     try:
         return await handler(request)

@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import openai_api, request_id
-from gateway.admin_api import create_admin_app
+from gateway.admin_api import check_admin_token, create_admin_app
 from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
 from gateway.config import GatewayConfig
@@ -271,6 +271,14 @@ async def openapi_handler(request: web.Request) -> web.Response:
     return web.json_response(openapi_spec())
 
 
+def authorize_from_headers(request: web.Request) -> None:
+    """Before a body is read: its route's credentials, from the headers alone (401/403 without reading)."""
+    if request.path.startswith("/admin/"):
+        check_admin_token(request)
+    elif request.path.startswith("/v1/"):
+        openai_api.authenticate(request)
+
+
 def create_app(config: GatewayConfig) -> web.Application:
     """The gateway: tenant API, admin API under /admin/v1, /healthz, /metrics, /openapi.json."""
     if config.router not in ROUTERS:
@@ -278,7 +286,12 @@ def create_app(config: GatewayConfig) -> web.Application:
     middlewares = [
         request_id.request_id_middleware,
         error_middleware,
-        read_body_middleware(config.read_timeout_s, config.max_body_bytes),
+        read_body_middleware(
+            config.read_timeout_s,
+            config.max_body_bytes,
+            config.max_reading_body_bytes,
+            authorize_from_headers,
+        ),
     ]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app.on_response_prepare.append(request_id.add_request_id_header)

@@ -125,6 +125,7 @@ class GatewayConfig:
     admin_token: str | None = None  # None: admin API disabled (prepare_data_dir generates one)
     namespace_salt: str | None = field(default=None, repr=False)  # None: the database's (one per deployment)
     max_body_bytes: int = 4 * 1024 * 1024
+    max_reading_body_bytes: int = 256 * 1024 * 1024  # bodies being read at once (Content-Length); 503 past it
     max_prompt_chars: int = 1_000_000  # characters of messages / prompt, checked before rendering (413)
     max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
     tenant_in_flight_share: float = 0.5  # of max_in_flight one tenant may hold (429 past it); 1.0: no share

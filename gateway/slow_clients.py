@@ -5,6 +5,9 @@
 - What aiohttp refuses in a request head is answered with OpenAI's error JSON (``JSONErrorRequestHandler``).
 - A request body must arrive within ``read_timeout_s`` (408), and a ``Content-Length`` above the body
   limit is refused before anything is read (413) (``read_body_middleware``).
+- No body is read before its request is authorized from its headers (401 at once), and the bodies being
+  read at once hold at most ``max_reading_bytes`` between them (503 past it): slow uploads cannot fill
+  the gateway's memory.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
+from collections.abc import Callable
 from http import HTTPStatus
 
 from aiohttp import web
 
-from gateway.errors import APIError, PayloadTooLarge
+from gateway.errors import APIError, PayloadTooLarge, Unavailable
 
 STARTED = web.AppKey("started_transports", weakref.WeakSet)  # transports that delivered a request head
 
@@ -26,20 +30,40 @@ class RequestTimeout(APIError):
     code = "request_timeout"
 
 
-def read_body_middleware(read_timeout_s: float, max_body_bytes: int):  # type: ignore[no-untyped-def]
+def read_body_middleware(  # type: ignore[no-untyped-def]
+    read_timeout_s: float,
+    max_body_bytes: int,
+    max_reading_bytes: int,
+    authorize: Callable[[web.Request], None],
+):
+    """Read each body up front, within the limits above. ``authorize(request)`` raises (401, 403) when
+    the request's headers do not authorize its route; a body of unknown length counts as the limit."""
+    reading_bytes = 0  # bodies being read now (by Content-Length): this app's, not a module global
+
     @web.middleware
     async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        nonlocal reading_bytes
         if request.transport is not None:
             request.config_dict[STARTED].add(request.transport)
         if request.body_exists:
             length = request.content_length
             if length is not None and length > max_body_bytes:
                 raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
+            if request.match_info.http_exception is None:  # an unknown route is a 404 without reading
+                authorize(request)
+            held = max_body_bytes if length is None else length
+            if reading_bytes + held > max_reading_bytes:
+                raise Unavailable(
+                    "too many request bodies are being uploaded at once; retry shortly", code="server_busy"
+                )
+            reading_bytes += held
             try:
                 async with asyncio.timeout(read_timeout_s):
                     await request.read()  # cached: handlers' read() returns it
             except TimeoutError:
                 raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
+            finally:
+                reading_bytes -= held
         return await handler(request)
 
     return middleware

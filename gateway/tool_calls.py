@@ -59,7 +59,9 @@ class ToolCallParser:
             if not calls:
                 return text, []
             before = text[: text.find("<tool_call>")] if self.style == HERMES else ""
-            content = before.strip() or None  # llama3_json: the whole answer is the calls
+            # Only the whitespace that leads into the calls goes: a stream sends the text before it as it
+            # comes, and holds back only trailing whitespace (ToolCallStream.feed). Nothing left: null.
+            content = before.rstrip() or None  # llama3_json: the whole answer is the calls
             return content, [_openai_call(name, arguments) for name, arguments in calls]
         except Exception:
             log.exception("model output not parsed as tool calls (left as text)")
@@ -203,12 +205,11 @@ class ToolCallStream:
     held: str = ""
 
     def feed(self, text: str) -> str:
-        """The part of ``text`` that can be sent now."""
+        """The part of ``text`` that can be sent now: up to where a call may start, less trailing
+        whitespace (a call may follow it, and the whitespace before a call is not content)."""
         held = self.held + text
         at = self.parser.may_start_call(held)
-        if at is None:
-            self.held = ""
-            return held
+        at = len(held[: len(held) if at is None else at].rstrip())
         self.held = held[at:]
         return held[:at]
 

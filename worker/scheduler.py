@@ -28,6 +28,8 @@ from worker.tiers.store import TieredStore
 
 log = logging.getLogger("prefixgate.worker")
 
+KV_COPY_FAILED = "KV cache copy failed (the request's cached prefix could not be loaded); retry the request"
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -100,9 +102,10 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished (or aborted) and free its blocks at once."""
         if seq.transfers:  # a copy still writing into its blocks must end before they are reused
-            for transfer in seq.transfers:
-                transfer.wait()
-            self._finish_loading(seq)
+            if self._wait_transfers(seq):
+                self._finish_loading(seq)
+            else:
+                self._drop_failed_load(seq)
         if self.store is not None:
             self.store.drop_prefetched(seq)
         if seq in self.running:
@@ -118,9 +121,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        for seq in self.running:
-            if seq.status is Status.LOADING and all(t.done() for t in seq.transfers):
-                self._finish_loading(seq)
+        for seq in list(self.running):
+            if seq.status is Status.LOADING:
+                try:
+                    loaded = all(t.done() for t in seq.transfers)
+                except Exception as exc:  # a failed copy fails its request alone; finish frees its blocks
+                    log.error("KV cache copy for request %s failed: %r", seq.request_id, exc)
+                    self.running.remove(seq)
+                    out.rejected.append((seq, KV_COPY_FAILED))
+                    continue
+                if loaded:
+                    self._finish_loading(seq)
         for seq in list(self.running):
             if seq.status is Status.DECODING and seq in self.running and self._reserve_decode_slot(seq):
                 out.decodes.append(seq)
@@ -256,6 +267,25 @@ class Scheduler:
                 self.store.hits[source] += tokens // bs
         seq.num_cached_tokens = (num_l1 + num_loaded) * bs
         seq.cached_tokens_by_source = by_source
+
+    @staticmethod
+    def _wait_transfers(seq: Sequence) -> bool:
+        """Wait until every copy into ``seq``'s blocks has ended; returns whether all of them succeeded."""
+        ok = True
+        for transfer in seq.transfers:
+            try:
+                transfer.wait()
+            except Exception:  # ended all the same: the blocks may be reused
+                ok = False
+        return ok
+
+    def _drop_failed_load(self, seq: Sequence) -> None:
+        """After a failed copy: unpin the L2 slots and free the prefetched blocks; the loaded blocks hold
+        garbage, so none of them is published."""
+        assert self.store is not None
+        self.store.l2.unpin(seq.loading_slots)
+        seq.transfers, seq.loading_slots = [], []
+        self.store.drop_prefetched(seq)
 
     def _finish_loading(self, seq: Sequence) -> None:
         assert self.store is not None

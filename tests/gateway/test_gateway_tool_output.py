@@ -91,3 +91,66 @@ async def test_a_malformed_tool_call_in_the_answer_is_delivered_as_text_and_bill
     [record] = await _records(gateway)
     assert (record.status, record.outcome, record.completion_tokens) == (200, "completed", 5)
     assert record.prompt_tokens > 0
+
+
+@pytest.fixture
+def scripted_output(monkeypatch):
+    """The real worker generates; the answer's text is replaced by ``script["text"]`` (streamed in one
+    delta): the random-tiny model cannot be steered to write text before a tool call."""
+    script = {"text": ""}
+    generate, stream = RequestPipeline.generate, RequestPipeline.stream
+
+    async def scripted_generate(self, prepared):
+        return {**(await generate(self, prepared)), "text": script["text"]}
+
+    async def scripted_stream(self, prepared):
+        first = True
+        async for event in stream(self, prepared):
+            if event.get("text"):
+                event = {**event, "text": script["text"] if first else ""}
+                first = False
+            yield event
+
+    monkeypatch.setattr(RequestPipeline, "generate", scripted_generate)
+    monkeypatch.setattr(RequestPipeline, "stream", scripted_stream)
+    return script
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("\n\n" + CALL, None),  # only a call: content is null, as OpenAI's
+        ("Let me check.\n\n" + CALL, "Let me check."),
+        ("  Let me check. \n" + CALL + "\n", "  Let me check."),
+    ],
+)
+async def test_the_content_before_a_tool_call_is_the_same_streamed_or_not(
+    sdk, scripted_output, text, content
+):
+    scripted_output["text"] = text
+    request = {
+        "model": "random-tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "extra_body": {"ignore_eos": True},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    message = (await sdk.chat.completions.create(**request)).choices[0].message
+    assert message.content == content and [c.function.name for c in message.tool_calls] == ["f"]
+    chunks = [chunk async for chunk in await sdk.chat.completions.create(**request, stream=True)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc.function.name for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed == (content or "") and calls == ["f"]
+
+
+@pytest.mark.parametrize("text", ["\n\n" + CALL, "Let me check.\n\n" + CALL, "a \n b \n", "x <tool_call> y"])
+def test_any_split_of_a_streamed_answer_sends_what_the_whole_answer_holds(text):
+    parser = ToolCallParser(style=HERMES, names=frozenset({"f"}))
+    content, calls = parser.parse(text)
+    stream = ToolCallStream(parser=parser)
+    sent = "".join(stream.feed(char) for char in text)
+    rest, streamed_calls = stream.finish()
+    assert sent + rest == (content or "") and len(streamed_calls) == len(calls)

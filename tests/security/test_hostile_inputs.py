@@ -112,7 +112,7 @@ async def test_a_corrupt_compressed_body_is_a_400(client, authenticated):
         + b"Content-Encoding: gzip\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
     )
     status, answer = await _raw(client, head, body)
-    assert status == 400, answer
+    assert status == (400 if authenticated else 401), answer  # without a key the body is never read
     assert b"Traceback" not in answer
     assert_openai_error(json.loads(answer))
 

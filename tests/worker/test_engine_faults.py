@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from tests.worker.conftest import greedy, prompt_of, run, segments
+from tests.worker.test_tiers import BLOCK_BYTES, A, push_out_of_l1
 from worker.admission import Overloaded
 from worker.sequence import SamplingParams
 
@@ -100,3 +101,30 @@ async def test_watchdog_reports_an_engine_thread_that_really_blocks(make_engine,
     assert len(tokens) == 12
     await asyncio.sleep(0.05)
     assert engine.health_problem() is None
+
+
+async def test_a_failed_kv_copy_fails_its_request_alone_and_frees_every_block(make_engine, monkeypatch):
+    engine = make_engine(num_blocks=24, l2_bytes=64 * BLOCK_BYTES)
+    prompt = prompt_of(1, 80)
+    await run(engine, "first", prompt, segs=A)
+    await push_out_of_l1(engine)  # its blocks now come back from L2 through a copy
+
+    def broken_copy(source, runs):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(engine.store.copier, "_copy", broken_copy)
+    (_, error), (neighbour, _, _) = await asyncio.wait_for(
+        asyncio.gather(
+            collect(engine, "copied", prompt, greedy(8), A),
+            run(engine, "neighbour", prompt_of(2, 40), params=greedy(8), use_cache=False),
+        ),
+        30,
+    )
+    assert error is not None and "KV cache copy failed" in error
+    assert len(neighbour) == 8  # run() asserts it got no error
+    monkeypatch.undo()
+    stats = engine.stats()
+    assert stats["num_blocks_in_use"] == 0 and stats["num_queued"] == 0  # nothing leaked
+    assert all(block.ref_count == 0 for block in engine.store.l2.index.blocks)  # no L2 slot stays pinned
+    again, _, _ = await asyncio.wait_for(run(engine, "after", prompt, params=greedy(8), segs=A), 30)
+    assert len(again) == 8

@@ -210,3 +210,41 @@ async def test_index_credits_redis_blocks_to_every_worker_sharing_the_redis(make
     index.apply("http://c", batch_of(consumer, "http://c"))
     assert index.shared[tier_id] == {}  # every t-a key the purge erased from Redis, announced
     assert index.match("http://c", hashes, ["t-a"] * len(hashes)).num_blocks == 0
+
+
+def test_a_read_racing_a_purge_neither_rebooks_nor_reannounces_the_purged_blocks(kv_redis_url, monkeypatch):
+    def tier() -> tuple[RemoteTier, KVEventLog]:
+        log = KVEventLog()
+        remote = RemoteTier(
+            kv_redis_url,
+            fingerprint=b"purge-race" * 4,
+            codec="none",
+            block_shape=SHAPE,
+            dtype=torch.float32,
+            budget_bytes=1 << 20,
+            ttl_s=60,
+            timeout_s=1.0,
+            events=TierEvents(log, "remote"),
+        )
+        return remote, log
+
+    purger, _ = tier()
+    reader, reader_log = tier()
+    blocks = _blocks("t-a", 5, 4)
+    purger.put(blocks)
+    read = reader.client.mget
+
+    def read_then_purge(keys):  # the purge lands between the read and the TTL refresh
+        values = read(keys)
+        assert purger.purge("t-a") == 4
+        return values
+
+    monkeypatch.setattr(reader.client, "mget", read_then_purge)
+    records, _ = reader.get_run(
+        ["t-a"] * 4, [b.record.block_hash for b in blocks], [b.record.token_ids for b in blocks]
+    )
+    assert records == []  # the run ended with the keys: nothing purged is served from here on
+    assert held(reader_log, "remote") == {}  # nor announced to the gateway's index
+    keys = {reader.key("t-a", b.record.block_hash).encode() for b in blocks}
+    assert keys.isdisjoint(reader.client.zrange(reader._lru, 0, -1))  # nor booked in the LRU
+    assert not any(reader.client.exists(key) for key in keys)

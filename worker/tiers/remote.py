@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -53,6 +54,18 @@ while total > tonumber(ARGV[4]) do
 end
 return evicted
 """
+_TOUCH_SCRIPT = """
+local kept = 0
+for i = 1, #KEYS, 2 do
+  if redis.call('PEXPIRE', KEYS[i], ARGV[1]) == 0 then break end
+  redis.call('ZADD', KEYS[i + 1], ARGV[1 + (i + 1) / 2], KEYS[i])
+  kept = kept + 1
+end
+return kept
+"""
+# A read refreshes the TTL and LRU rank of the run it found, in order, up to the first key that is gone
+# (purged or evicted since the read): a vanished key is never booked in the LRU again nor announced.
+
 # Eviction takes one victim at a time, just enough to fit the budget: the oldest first and, among the
 # blocks of one write, the deepest first (a chain's tail is useless without its head, never the reverse).
 # The score is the write time in ms plus a fraction that falls with the block's depth in its chain.
@@ -105,6 +118,10 @@ class RemoteTier:
             f"{self.prefix}:bytes",
         )
         self._put = self.client.register_script(_PUT_SCRIPT)
+        self._touch = self.client.register_script(_TOUCH_SCRIPT)
+        # Held from a read's TTL refresh to its "stored" events, and from a purge's delete to its "removed"
+        # events: this worker never announces a block stored after it announced its purge.
+        self._announce_lock = threading.Lock()
         self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition
         self._down_until = 0.0
         self.counters: Counter[str] = Counter()
@@ -250,15 +267,14 @@ class RemoteTier:
                     records.append(record)
                     found += 1
                 if found:
-                    touch = self.client.pipeline(transaction=False)
-                    now_ms = int(time.time() * 1000)
-                    for depth, (key, ns) in enumerate(
-                        zip(keys[:found], namespace_ids[start : start + found], strict=True), start=start
-                    ):
-                        touch.zadd(self._accounting(ns)[0][0], {key: _score(now_ms, depth)})
-                    for key in keys[:found]:
-                        touch.pexpire(key, self.ttl_ms)
-                    touch.execute()
+                    refreshed = self._refresh(
+                        keys[:found], namespace_ids[start : start + found], records[-found:], start
+                    )
+                    if refreshed < found:  # purged or evicted since the read: the run ends there
+                        del records[len(records) - found + refreshed :]
+                        del chunks[len(chunks) - found + refreshed :]
+                        found = refreshed
+                        break
                 if found < len(keys):
                     break
         except ERRORS as exc:
@@ -266,12 +282,28 @@ class RemoteTier:
             return [], None
         if not records:
             return records, None
-        data = self._decode(chunks)
-        if self.events is not None:  # the hit refreshed their TTL: the gateway keeps crediting them
-            for namespace_id, record in zip(namespace_ids, records, strict=False):
-                self.events.stored(namespace_id, [record])
         self.counters["blocks_read_total"] += len(records)
-        return records, data
+        return records, self._decode(chunks)
+
+    def _refresh(
+        self, keys: Sequence[str], namespace_ids: Sequence[str], records: Sequence[BlockRecord], depth: int
+    ) -> int:
+        """Refresh the TTL and LRU rank of a run just read (``depth``: the first one's place in its chain)
+        and announce it again (the gateway keeps crediting it); returns how many of ``keys``, from the
+        first, still existed: only those are refreshed and announced."""
+        now_ms = int(time.time() * 1000)
+        books = [
+            part
+            for key, ns in zip(keys, namespace_ids, strict=True)
+            for part in (key, self._accounting(ns)[0][0])
+        ]
+        scores = [_score(now_ms, depth + k) for k in range(len(keys))]
+        with self._announce_lock:
+            refreshed = int(self._touch(keys=books, args=[self.ttl_ms, *scores]))
+            if self.events is not None:
+                for namespace_id, record in zip(namespace_ids[:refreshed], records, strict=False):
+                    self.events.stored(namespace_id, [record])
+        return refreshed
 
     def _decode(self, chunks: Sequence[tuple[Codec, bytes]]) -> torch.Tensor:
         """Blocks from verified payloads: one batched decode per run of entries of one codec."""
@@ -304,13 +336,14 @@ class RemoteTier:
                     pipe.hget(sizes, key)
                     pipe.zrem(lru, key)
                     pipe.hdel(sizes, key)
-                deleted, *rest = pipe.execute()
+                with self._announce_lock:
+                    deleted, *rest = pipe.execute()
+                    if deleted:
+                        self._announce_removed([key])
                 for (_, _, total), size in zip(books, rest[0::3], strict=True):
                     if size:
                         self.client.decrby(total, int(size))
                 erased += int(deleted)
-                if deleted:
-                    self._announce_removed([key])
         except ERRORS as exc:
             self._failed(exc)
             raise RemoteUnavailable(f"Redis failed after erasing {erased} blocks: {exc}") from exc
