@@ -321,9 +321,18 @@ _SCHEMA_KEYWORDS = (
     {
         key: _SCHEMA
         for key in (
-            "additionalItems additionalProperties contains else if items not propertyNames then "
-            "unevaluatedItems unevaluatedProperties"
-        ).split()
+            "additionalItems",
+            "additionalProperties",
+            "contains",
+            "else",
+            "if",
+            "items",
+            "not",
+            "propertyNames",
+            "then",
+            "unevaluatedItems",
+            "unevaluatedProperties",
+        )
     }
     | {key: _SCHEMAS for key in ("allOf", "anyOf", "oneOf", "prefixItems")}
     | {
