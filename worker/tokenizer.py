@@ -23,7 +23,7 @@ BYTE_CHAT_TEMPLATE = (
     "{{ (' ' ~ message['tool_call_id']) if message['tool_call_id'] else '' }}\n"
     "{{ message['content'] if message['content'] is not none else '' }}"
     "{% for call in message['tool_calls'] or [] %}"
-    "{{ '\\n' if loop.index > 1 or message['content'] else '' }}"
+    "{{ '\\n' if loop.index > 1 else '' }}"
     "<tool_call>\n{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
     "{{ call['function']['arguments'] if call['function']['arguments'] is string"
     " else call['function']['arguments'] | tojson }}{{ '}' }}\n</tool_call>{% endfor %}"
