@@ -24,14 +24,23 @@ _DONE = object()
 
 
 def check_model_support(model: ModelRuntime, request: ChatRequest | CompletionRequest) -> None:
-    """What only the model can tell: its chat template must render ``tools`` (else they would be
-    dropped silently) and ``logit_bias`` ids must be in its vocabulary."""
+    """What only the model can tell: its chat template must render ``tools`` and earlier assistant
+    ``tool_calls`` (else they would be dropped silently, and two histories that made different calls
+    would be one prompt), and ``logit_bias`` ids must be in its vocabulary."""
     if isinstance(request, ChatRequest) and request.tools and not model.supports_tools:
         raise InvalidRequest(
             f"the chat template of model '{model.model_id}' does not support tools",
             param="tools",
             code="unsupported_parameter",
         )
+    if isinstance(request, ChatRequest) and not model.renders_tool_calls:
+        for index, message in enumerate(request.messages):
+            if message.get("tool_calls"):
+                raise InvalidRequest(
+                    f"the chat template of model '{model.model_id}' does not render earlier tool calls",
+                    param=f"messages[{index}].tool_calls",
+                    code="unsupported_parameter",
+                )
     vocab = model.vocab_size
     bad = [token for token, _ in request.sampling.logit_bias if token >= vocab]
     if bad:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.promotion import PromotionPolicy
+
 ENV_PREFIX = "PREFIXGATE_"
 
 # How a tenant's server-derived namespace reaches an external upstream (gateway.upstream_openai.FLAVOURS).
@@ -158,7 +160,7 @@ class GatewayConfig:
     price_cached_input_per_mtok: float = 0.1
     price_output_per_mtok: float = 2.0
     promotion_min_hits: int = 1000  # hot-prefix promotion: hits per hour (PREFIXGATE_PROMOTION_MIN_HITS)
-    promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 2 if set lower)
+    promotion_min_tenants: int = 3  # and distinct opted-in tenants (raised to 3 if set lower)
     promotion_store_text: bool = False  # keep a promoted prefix's text for admins (off: hashes only)
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
     ratelimit_pause_s: float = 5.0  # Redis rate limits pause (local limits) this long after an error
@@ -167,6 +169,11 @@ class GatewayConfig:
     metrics_token: str | None = field(default=None, repr=False)  # bearer for /metrics (None: admin token)
     metrics_tenant_labels: str = "id"  # "id" or "hash" (the tenant's opaque namespace id)
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        PromotionPolicy(
+            min_hits_per_hour=self.promotion_min_hits, min_tenants=self.promotion_min_tenants
+        ).check_threshold()
 
     @property
     def resolved_database_url(self) -> str:

@@ -65,6 +65,17 @@ def template_uses_tools(source: str) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(_environment().parse(source))
 
 
+def template_renders_tool_calls(source: str) -> bool:
+    """Whether a chat template reads a message's ``tool_calls`` (``message.tool_calls`` or
+    ``message['tool_calls']``); one that does not would drop an assistant's earlier calls silently."""
+    tree = _environment().parse(source)
+    for node in tree.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+        key = node.attr if isinstance(node, jinja2.nodes.Getattr) else getattr(node.arg, "value", None)
+        if key == "tool_calls":
+            return True
+    return False
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
@@ -123,6 +134,9 @@ class ModelRuntime:
         self._tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self._template = compile_chat_template(info.chat_template) if info.chat_template else None
         self.supports_tools = bool(info.chat_template) and template_uses_tools(info.chat_template or "")
+        self.renders_tool_calls = bool(info.chat_template) and template_renders_tool_calls(
+            info.chat_template or ""
+        )
         self.tool_style = template_tool_style(info.chat_template)  # how its answers call tools
         self.bos_token_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
         # Texts the tokenizer turns into single added (control) tokens, longest first.

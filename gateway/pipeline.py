@@ -257,6 +257,7 @@ class RequestPipeline:
         encoding: Encoding | None = None
         num_moved = num_reported = 0
         if isinstance(request, ChatRequest):
+            sent = request
             for step in self._prompt_steps:
                 edit = step.apply(tenant, request)
                 request, num_moved, num_reported = (
@@ -267,7 +268,15 @@ class RequestPipeline:
             try:
                 text = model.render_chat(request.messages, request.tools)
             except TemplateError as exc:
-                raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
+                if request is sent:
+                    raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
+                # The rewrite broke the template (the note is one more turn where roles must alternate):
+                # the request as sent, its moved fragments counted as reported ("report").
+                request, num_moved, num_reported = sent, 0, num_reported + num_moved
+                try:
+                    text = model.render_chat(request.messages, request.tools)
+                except TemplateError as exc:
+                    raise InvalidRequest(str(exc), param="messages", code="invalid_value") from exc
             encoding = chat_encoding(model, request.messages, request.tools, text)
             token_ids = encoding.ids
         elif isinstance(request.prompt, str):

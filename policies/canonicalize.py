@@ -295,8 +295,10 @@ def restore(messages: Sequence[Message]) -> list[Message]:
 
 def canonical_tools(tools: Sequence[Any]) -> list[Any]:
     """Tools (or legacy functions) with sorted keys, sorted ``required`` lists, in a stable order:
-    by type, then function name, then canonical JSON."""
-    canonical = [_sorted_value(tool) for tool in tools]
+    by type, then function name, then canonical JSON. ``required`` is sorted only where it is a
+    JSON-Schema keyword (in a function's ``parameters`` and its subschemas), never in data such as a
+    ``default``, ``const``, ``enum`` or ``examples`` value, whose order can carry meaning."""
+    canonical = [_sorted_value(tool, _TOOL) for tool in tools]
     return sorted(canonical, key=_tool_sort_key)
 
 
@@ -313,13 +315,52 @@ def _tool_sort_key(tool: Any) -> tuple[str, str, str]:
     return (str(tool.get("type", "")), str(name or ""), canonical_json(tool))
 
 
-def _sorted_value(value: Any) -> Any:
+_TOOL, _SCHEMA, _SCHEMAS, _SCHEMA_MAP, _DATA = range(5)  # what a value of the walk is
+# JSON-Schema keywords whose value is a schema, a list of schemas, or a map of name → schema.
+_SCHEMA_KEYWORDS = (
+    {
+        key: _SCHEMA
+        for key in (
+            "additionalItems",
+            "additionalProperties",
+            "contains",
+            "else",
+            "if",
+            "items",
+            "not",
+            "propertyNames",
+            "then",
+            "unevaluatedItems",
+            "unevaluatedProperties",
+        )
+    }
+    | {key: _SCHEMAS for key in ("allOf", "anyOf", "oneOf", "prefixItems")}
+    | {
+        key: _SCHEMA_MAP
+        for key in ("$defs", "definitions", "dependentSchemas", "patternProperties", "properties")
+    }
+)
+
+
+def _child_kind(kind: int, key: Any) -> int:
+    if kind == _TOOL:
+        return _SCHEMA if key == "parameters" else _TOOL if key == "function" else _DATA
+    if kind == _SCHEMA:
+        return _SCHEMA_KEYWORDS.get(key, _DATA)
+    if kind == _SCHEMA_MAP:
+        return _SCHEMA
+    return _DATA
+
+
+def _sorted_value(value: Any, kind: int) -> Any:
+    """``value`` with sorted keys; ``required`` sorted where ``kind`` says it is a schema."""
     if isinstance(value, Mapping):
-        rebuilt = {key: _sorted_value(value[key]) for key in sorted(value, key=str)}
+        rebuilt = {key: _sorted_value(value[key], _child_kind(kind, key)) for key in sorted(value, key=str)}
         required = rebuilt.get("required")
-        if isinstance(required, list) and all(isinstance(item, str) for item in required):
+        if kind == _SCHEMA and isinstance(required, list) and all(isinstance(item, str) for item in required):
             rebuilt["required"] = sorted(required)
         return rebuilt
     if isinstance(value, list):
-        return [_sorted_value(item) for item in value]
+        item_kind = _SCHEMA if kind in (_SCHEMA, _SCHEMAS) else _DATA  # "items" may be a list of schemas
+        return [_sorted_value(item, item_kind) for item in value]
     return value

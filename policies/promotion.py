@@ -150,12 +150,25 @@ class PromotionPolicy:
     def from_env(cls, env: Mapping[str, str]) -> PromotionPolicy:
         """From ``PREFIXGATE_PROMOTION_MIN_HITS`` / ``…_MIN_TENANTS`` in ``env`` (e.g. os.environ)."""
         try:
-            return cls(
+            policy = cls(
                 min_hits_per_hour=int(env.get(ENV_MIN_HITS, DEFAULT_MIN_HITS)),
                 min_tenants=int(env.get(ENV_MIN_TENANTS, DEFAULT_MIN_TENANTS)),
             )
         except ValueError as exc:
             raise ValueError(f"{ENV_MIN_HITS} and {ENV_MIN_TENANTS} must be integers: {exc}") from None
+        policy.check_threshold()
+        return policy
+
+    def check_threshold(self) -> None:
+        """Raise ValueError unless ``min_hits_per_hour >= min_tenants``: below that, a tenant's share is
+        under one hit, each tenant still counts one, and k−1 tenants of one party reach the threshold
+        alone (deployment configuration is checked; tests may still build eager policies)."""
+        if self.min_hits_per_hour < self.min_tenants:
+            raise ValueError(
+                f"{ENV_MIN_HITS} ({self.min_hits_per_hour}) must be at least {ENV_MIN_TENANTS} "
+                f"({self.min_tenants}, never below {MIN_TENANTS_FLOOR}): each tenant counts at most "
+                "min_hits / min_tenants hits"
+            )
 
     @property
     def max_hits_per_tenant_per_hour(self) -> float:
@@ -218,10 +231,15 @@ class PromotionCounter(Protocol):
 
 
 def hits_cap(max_hits_per_tenant_per_hour: float | None, window_s: float) -> int | None:
-    """A tenant's hit allowance inside a window of ``window_s`` (at least 1), None for no cap."""
+    """A tenant's hit allowance inside a window of ``window_s``, None for no cap.
+
+    Rounded DOWN (at least 1): a tenant never counts more than its share, so k−1 tenants of one party
+    make at most (k−1)/k of the threshold and the other tenants must send the rest (rounded up, one
+    victim request could complete a promotion: review r3). Shared by the memory and Redis counters.
+    """
     if max_hits_per_tenant_per_hour is None:
         return None
-    return max(1, math.ceil(max_hits_per_tenant_per_hour * window_s / HOUR_S))
+    return max(1, math.floor(max_hits_per_tenant_per_hour * window_s / HOUR_S))
 
 
 async def observe(

@@ -24,16 +24,25 @@ def append_token(
         return "stop"
     seq.detokenizer.add(token)
     text = seq.detokenizer.text
-    for stop in params.stop:
-        at = text.find(stop, max(0, seq.emitted_text_len - len(stop)))
-        if at >= 0:
-            seq.detokenizer.text = text[:at]
-            return "stop"
+    if (at := earliest_stop(text, params.stop, seq.emitted_text_len)) is not None:
+        seq.detokenizer.text = text[:at]
+        return "stop"
     if seq.grammar_complete:
         return "stop"
     if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+def earliest_stop(text: str, stops: Collection[str], emitted_len: int) -> int | None:
+    """Where the output is cut: the smallest start of any stop string in ``text``, or None.
+
+    The list's order never matters (one multi-character token can complete two stops at once; OpenAI
+    cuts at the first occurrence of any). Text already streamed is not searched again: the hold-back of
+    ``take_text_delta`` keeps every possible stop start unsent.
+    """
+    found = (text.find(stop, max(0, emitted_len - len(stop))) for stop in stops)
+    return min((at for at in found if at >= 0), default=None)
 
 
 def take_text_delta(seq: Sequence, *, finished: bool) -> str:

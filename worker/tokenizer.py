@@ -19,7 +19,15 @@ BYTE_VOCAB_SIZE = 264  # 256 bytes + 3 specials, padded to a multiple of 8
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}<|start|>tools\n{{ tools | tojson }}<|end|>{% endif %}"
-    "{% for message in messages %}<|start|>{{ message['role'] }}\n{{ message['content'] }}<|end|>{% endfor %}"
+    "{% for message in messages %}<|start|>{{ message['role'] }}"
+    "{{ (' ' ~ message['tool_call_id']) if message['tool_call_id'] else '' }}\n"
+    "{{ message['content'] if message['content'] is not none else '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '\\n' if loop.index > 1 else '' }}"
+    "<tool_call>\n{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string"
+    " else call['function']['arguments'] | tojson }}{{ '}' }}\n</tool_call>{% endfor %}"
+    "<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
 )
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 
 from gateway.app import create_app
-from gateway.model import template_uses_tools
+from gateway.model import template_renders_tool_calls, template_uses_tools
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.models import UsageRecord
 from tests.gateway.conftest import ADMIN, create_tenant, make_config
@@ -239,8 +239,18 @@ async def test_tools_are_refused_by_a_template_without_tools_support(
     assert refused.value.param == "tools" and "does not support tools" in refused.value.message
     plain = await client.chat.completions.create(model=model, messages=messages(), max_tokens=1)
     assert plain.choices[0].finish_reason in ("stop", "length")
+    # An earlier call in the history is dropped by this template too: refused, never rendered without it.
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [*messages(), {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "done"})
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=model, messages=history, max_tokens=1)
+    assert refused.value.code == "unsupported_parameter" and refused.value.param == "messages[2].tool_calls"
     await client.close()
     assert template_uses_tools(BYTE_CHAT_TEMPLATE) and not template_uses_tools(NO_TOOLS_TEMPLATE)
+    assert template_renders_tool_calls(BYTE_CHAT_TEMPLATE) and not template_renders_tool_calls(
+        NO_TOOLS_TEMPLATE
+    )
 
 
 class City(BaseModel):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
+from gateway.model import compile_chat_template
 from gateway.schemas import parse_chat
 from gateway.tool_calls import (
     HERMES,
@@ -19,6 +20,7 @@ from gateway.tool_calls import (
     template_tool_style,
 )
 from tests.gateway.test_gateway_e2e import MODEL, unique_system_prompt
+from worker.tokenizer import BYTE_CHAT_TEMPLATE
 
 WEATHER = {
     "type": "function",
@@ -185,3 +187,53 @@ def test_tool_and_schema_handling_ends_in_a_request_or_a_400(parameters, name, t
             request_tools(parse_chat(candidate), HERMES)
         except InvalidRequest as exc:
             assert exc.param and exc.message
+
+
+TWO_TOOLS = [
+    WEATHER,
+    {
+        "type": "function",
+        "function": {
+            "name": "delete_account",
+            "description": "Delete the user's account for good",
+            "parameters": {
+                "type": "object",
+                "properties": {"user": {"type": "string"}},
+                "required": ["user"],
+            },
+        },
+    },
+]
+
+
+def agent_history(system: str, name: str, arguments: str) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Do what is needed for me please."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+
+
+async def test_earlier_tool_calls_are_part_of_the_prompt(sdk):
+    """Review r3 D2: two histories that called different tools must not render to one prompt (the second
+    was served the first one's KV and the model never saw which call it had made)."""
+    system = unique_system_prompt()
+    weather = agent_history(system, "get_weather", '{"city": "Paris"}')
+    deletion = agent_history(system, "delete_account", '{"user": "alice"}')
+    args = dict(model=MODEL, tools=TWO_TOOLS, max_tokens=1, temperature=0)
+    first = await sdk.chat.completions.create(messages=weather, **args)
+    second = await sdk.chat.completions.create(messages=deletion, **args)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached < second.usage.prompt_tokens // 16 * 16, (first.usage, second.usage)
+
+
+def test_the_builtin_template_renders_calls_in_its_own_tool_style():
+    history = agent_history("sys", "get_weather", '{"city": "Paris"}')
+    text = compile_chat_template(BYTE_CHAT_TEMPLATE).render(messages=history, tools=[WEATHER], bos_token="")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert f"<|start|>assistant\n{call}<|end|>" in text
+    assert "<|start|>tool call_1\ndone<|end|>" in text
+    content, calls = ToolCallParser(style=HERMES, names=frozenset({"get_weather"})).parse(call)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}

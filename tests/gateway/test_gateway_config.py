@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import GatewayConfig, load_config, prepare_data_dir
+from policies.promotion import PromotionPolicy
 
 
 def test_precedence_defaults_file_env_flags(tmp_path: Path):
@@ -57,3 +58,18 @@ def test_prepare_data_dir_generates_and_keeps_secrets(tmp_path: Path):
     assert config.resolved_database_url.startswith(
         "sqlite+aiosqlite:///"
     ) and config.resolved_database_url.endswith("d/prefixgate.db")
+
+
+@pytest.mark.parametrize(("min_hits", "min_tenants"), [(2, 3), (2, 1), (4, 5)])
+def test_a_promotion_threshold_below_the_tenant_count_is_refused(min_hits, min_tenants):
+    # Below k hits a tenant's share is under one hit, yet each tenant counts one: k−1 tenants of one
+    # party would reach the threshold alone (review r3, D5).
+    env = {
+        "PREFIXGATE_PROMOTION_MIN_HITS": str(min_hits),
+        "PREFIXGATE_PROMOTION_MIN_TENANTS": str(min_tenants),
+    }
+    with pytest.raises(ValueError, match="PREFIXGATE_PROMOTION_MIN_HITS"):
+        load_config(env=env)
+    with pytest.raises(ValueError, match="must be at least"):
+        PromotionPolicy.from_env(env)
+    assert load_config(env={**env, "PREFIXGATE_PROMOTION_MIN_HITS": "5"}).promotion_min_hits == 5

@@ -12,7 +12,13 @@ import pytest
 from gateway.app import create_app
 from gateway.promotion_redis import RedisPromotionCounter
 from gateway.state import POLICY_CACHE
-from policies.promotion import InMemoryPromotionCounter, PrefixHash, SlidingWindowCounter, TenantTag
+from policies.promotion import (
+    InMemoryPromotionCounter,
+    PrefixHash,
+    PromotionPolicy,
+    SlidingWindowCounter,
+    TenantTag,
+)
 from tests.gateway.conftest import ADMIN, make_config
 from tests.gateway.test_gateway_canonicalization import system_with
 from tests.gateway.test_gateway_e2e import auth, cached, chat_body
@@ -93,6 +99,27 @@ async def ask(client, key: str, system: str, user: str) -> dict:
         await asyncio.sleep(0.05)
     assert response.status == 200, await response.text()
     return await response.json()
+
+
+async def test_redis_counter_caps_each_tenant_at_its_share_rounded_down(redis_url):
+    """Review r3 D5, the Redis (Lua) path: (min_hits, k) = (9, 4) capped each tenant at 3 hits, so three
+    tenants of one party made 9 and one victim request completed the promotion."""
+    policy = PromotionPolicy(min_hits_per_hour=9, min_tenants=4)
+    counter = RedisPromotionCounter(redis_url, salt=b"test-salt", key_prefix="prefixgate:promo-cap")
+    prefix, now = [PrefixHash("cd" * 32)], 1_800_000_000.0
+    try:
+        await counter.forget(prefix[0])
+        for i in range(3):
+            for _ in range(9):
+                [stats] = await counter.record(
+                    prefix, TenantTag(f"t-party-{i}"), now, max_hits_per_tenant_per_hour=9 / 4
+                )
+        assert stats.hits == 6  # 3 tenants × floor(9 / 4)
+        [stats] = await counter.record(prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=9 / 4)
+        assert stats.num_tenants == 4 and not policy.should_promote(stats)
+    finally:
+        await counter.forget(prefix[0])
+        await counter.close()
 
 
 async def test_two_replicas_share_counters_and_promotions(

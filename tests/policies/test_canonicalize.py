@@ -350,3 +350,56 @@ def test_prompts_without_dynamic_fragments_are_byte_identical(pairs):
     result = canonicalize_request(request, ON)
     assert result.report.fragments == ()
     assert dumps(result.request) == dumps(request)
+
+
+def _form_tool(order: list[str]) -> dict:
+    """A tool whose parameter's ``default`` holds DATA under a key named "required" (review r3, D4)."""
+    layout = {"type": "object", "description": "fields in display order", "default": {"required": order}}
+    return {
+        "type": "function",
+        "function": {
+            "name": "create_form",
+            "parameters": {"type": "object", "properties": {"layout": layout}, "required": ["layout"]},
+        },
+    }
+
+
+def test_data_lists_named_required_keep_their_order():
+    a = canonical_tools([_form_tool(["last_name", "first_name", "email"])])
+    b = canonical_tools([_form_tool(["email", "first_name", "last_name"])])
+    layout = a[0]["function"]["parameters"]["properties"]["layout"]
+    assert layout["default"] == {"required": ["last_name", "first_name", "email"]}
+    assert a != b  # different defaults stay different tool sets
+
+
+@pytest.mark.parametrize("keyword", ["default", "const", "examples", "enum"])
+def test_on_mode_never_reorders_values_the_model_sees(keyword):
+    value = {"required": ["zip", "city"]}
+    data = [value] if keyword in ("examples", "enum") else value
+    tool = _form_tool([])
+    tool["function"]["parameters"]["properties"]["layout"][keyword] = data
+    request = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    out = canonicalize_request(request, CanonicalizationPolicy(mode="on")).request
+    assert out["tools"][0]["function"]["parameters"]["properties"]["layout"][keyword] == data
+
+
+def test_required_is_sorted_in_every_schema_position():
+    def obj(*names: str) -> dict:
+        return {
+            "type": "object",
+            "properties": {n: {"type": "string"} for n in names},
+            "required": list(names),
+        }
+
+    parameters = {
+        **obj("b", "a"),
+        "$defs": {"d": obj("y", "x")},
+        "properties": {"list": {"type": "array", "items": obj("q", "p")}, "u": {"anyOf": [obj("n", "m")]}},
+    }
+    legacy = canonical_tools([{"name": "f", "parameters": parameters}])[0]["parameters"]
+    tool = canonical_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])[0]
+    for schema in (legacy, tool["function"]["parameters"]):
+        assert schema["required"] == ["a", "b"]
+        assert schema["$defs"]["d"]["required"] == ["x", "y"]
+        assert schema["properties"]["list"]["items"]["required"] == ["p", "q"]
+        assert schema["properties"]["u"]["anyOf"][0]["required"] == ["m", "n"]

@@ -197,12 +197,13 @@ async def test_observe_promotes_once_and_never_twice():
     policy = PromotionPolicy(min_hits_per_hour=4, min_tenants=3)
     prefixes = boundary_prefixes(list(range(64)), [16, 64], block_size=16, model_fingerprint=FP)
     promoted: dict[str, PromotedPrefix] = {}
-    for step, tag in enumerate(tags(3) + tags(1)):
+    # Each tenant counts at most floor(4 / 3) = 1 hit: the fourth hit needs a fourth tenant.
+    for step, tag in enumerate(tags(4)):
         for p in await observe(counter, policy, prefixes, tag, 100.0 + step, known=promoted):
             promoted[p.prefix_hash] = p
     assert sorted(p.num_tokens for p in promoted.values()) == [16, 64]
     record = promoted[prefixes[1].prefix_hash]
-    assert (record.hits_per_hour, record.num_tenants, record.promoted_at) == (4, 3, 103.0)
+    assert (record.hits_per_hour, record.num_tenants, record.promoted_at) == (4, 4, 103.0)
     assert set(record.to_json()) == {
         "prefix_hash",
         "num_tokens",
@@ -290,3 +291,20 @@ async def test_canonicalized_requests_of_three_tenants_promote_their_shared_syst
     # <|bos|> <|start|> "system\n" (2 + 7 tokens), then the canonical system prompt, one byte a token
     assert record.num_tenants == 3 and record.num_tokens == (9 + len(system.format(now="[[1]]"))) // 16 * 16
     assert longest_promoted_prefix(prefixes, promoted) == record.num_tokens
+
+
+@pytest.mark.parametrize(("min_hits", "k"), [(4, 3), (5, 3), (9, 4), (16, 5), (1000, 3), (1001, 3)])
+async def test_one_victim_request_never_completes_a_promotion(min_hits, k):
+    """Review r3 D5: the cap was rounded up, so k−1 tenants of one party made (nearly) all the hits and one
+    request of a victim completed the promotion, telling the party that the victim sent the prefix."""
+    policy = PromotionPolicy(min_hits_per_hour=min_hits, min_tenants=k)
+    share = policy.max_hits_per_tenant_per_hour
+    counter, prefix, now = InMemoryPromotionCounter(), [PrefixHash("ab" * 32)], 1_000_000.0
+    for i in range(k - 1):  # one party's k−1 tenants, as many requests as they like
+        for _ in range(min_hits):
+            [stats] = await counter.record(
+                prefix, TenantTag(f"t-party-{i}"), now, max_hits_per_tenant_per_hour=share
+            )
+    assert stats.hits <= (k - 1) * share  # each tenant counts up to min_hits / min_tenants, never more
+    [stats] = await counter.record(prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=share)
+    assert not policy.should_promote(stats), (min_hits, k, stats)
