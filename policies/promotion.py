@@ -160,14 +160,18 @@ class PromotionPolicy:
         return policy
 
     def check_threshold(self) -> None:
-        """Raise ValueError unless ``min_hits_per_hour >= min_tenants``: below that, a tenant's share is
-        under one hit, each tenant still counts one, and k−1 tenants of one party reach the threshold
-        alone (deployment configuration is checked; tests may still build eager policies)."""
-        if self.min_hits_per_hour < self.min_tenants:
+        """Raise ValueError unless ``k − 1`` tenants at their cap stay below the threshold: else one party's
+        k−1 tenants make the hits alone and a single request of a victim, the k-th tenant, completes a
+        promotion, telling the party that the victim sent the prefix (review r3, D5: (9, 4)). ``k``
+        tenants at their cap always reach it (the cap is rounded up). Deployment configuration is checked;
+        tests may still build eager policies."""
+        cap = hits_cap(self.max_hits_per_tenant_per_hour, HOUR_S) or 0
+        if (self.min_tenants - 1) * cap >= self.min_hits_per_hour:
             raise ValueError(
-                f"{ENV_MIN_HITS} ({self.min_hits_per_hour}) must be at least {ENV_MIN_TENANTS} "
+                f"{ENV_MIN_HITS} ({self.min_hits_per_hour}) is too low for {ENV_MIN_TENANTS} "
                 f"({self.min_tenants}, never below {MIN_TENANTS_FLOOR}): each tenant counts at most "
-                "min_hits / min_tenants hits"
+                f"ceil(min_hits / min_tenants) = {cap} hits, and {self.min_tenants - 1} tenants at that "
+                "cap would make the threshold alone"
             )
 
     @property
@@ -233,13 +237,13 @@ class PromotionCounter(Protocol):
 def hits_cap(max_hits_per_tenant_per_hour: float | None, window_s: float) -> int | None:
     """A tenant's hit allowance inside a window of ``window_s``, None for no cap.
 
-    Rounded DOWN (at least 1): a tenant never counts more than its share, so k−1 tenants of one party
-    make at most (k−1)/k of the threshold and the other tenants must send the rest (rounded up, one
-    victim request could complete a promotion: review r3). Shared by the memory and Redis counters.
+    Rounded up, so that ``k`` tenants at their cap reach the threshold; ``check_threshold`` refuses the
+    thresholds at which ``k − 1`` tenants at their cap would reach it alone.
+    Shared by the memory and Redis counters.
     """
     if max_hits_per_tenant_per_hour is None:
         return None
-    return max(1, math.floor(max_hits_per_tenant_per_hour * window_s / HOUR_S))
+    return max(1, math.ceil(max_hits_per_tenant_per_hour * window_s / HOUR_S))
 
 
 async def observe(

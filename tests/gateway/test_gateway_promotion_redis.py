@@ -101,22 +101,30 @@ async def ask(client, key: str, system: str, user: str) -> dict:
     return await response.json()
 
 
-async def test_redis_counter_caps_each_tenant_at_its_share_rounded_down(redis_url):
-    """Review r3 D5, the Redis (Lua) path: (min_hits, k) = (9, 4) capped each tenant at 3 hits, so three
-    tenants of one party made 9 and one victim request completed the promotion."""
-    policy = PromotionPolicy(min_hits_per_hour=9, min_tenants=4)
+async def test_redis_counter_caps_each_tenant_at_its_share(redis_url):
+    """Review r3 D5, the Redis (Lua) path: at (min_hits, k) = (14, 4) each tenant counts up to 4 hits, so
+    three tenants of one party make 12 and a victim's one request 13, short of 14 ((9, 4), where a victim's
+    request completed the promotion, is refused at startup); the victim's tenant at its cap promotes."""
+    policy = PromotionPolicy(min_hits_per_hour=14, min_tenants=4)
+    policy.check_threshold()
+    share = policy.max_hits_per_tenant_per_hour
     counter = RedisPromotionCounter(redis_url, salt=b"test-salt", key_prefix="prefixgate:promo-cap")
     prefix, now = [PrefixHash("cd" * 32)], 1_800_000_000.0
     try:
         await counter.forget(prefix[0])
         for i in range(3):
-            for _ in range(9):
+            for _ in range(14):
                 [stats] = await counter.record(
-                    prefix, TenantTag(f"t-party-{i}"), now, max_hits_per_tenant_per_hour=9 / 4
+                    prefix, TenantTag(f"t-party-{i}"), now, max_hits_per_tenant_per_hour=share
                 )
-        assert stats.hits == 6  # 3 tenants × floor(9 / 4)
-        [stats] = await counter.record(prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=9 / 4)
+        assert stats.hits == 12  # 3 tenants × ceil(14 / 4)
+        [stats] = await counter.record(prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=share)
         assert stats.num_tenants == 4 and not policy.should_promote(stats)
+        for _ in range(3):
+            [stats] = await counter.record(
+                prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=share
+            )
+        assert stats.hits == 16 and policy.should_promote(stats)
     finally:
         await counter.forget(prefix[0])
         await counter.close()

@@ -293,18 +293,44 @@ async def test_canonicalized_requests_of_three_tenants_promote_their_shared_syst
     assert longest_promoted_prefix(prefixes, promoted) == record.num_tokens
 
 
-@pytest.mark.parametrize(("min_hits", "k"), [(4, 3), (5, 3), (9, 4), (16, 5), (1000, 3), (1001, 3)])
-async def test_one_victim_request_never_completes_a_promotion(min_hits, k):
-    """Review r3 D5: the cap was rounded up, so k−1 tenants of one party made (nearly) all the hits and one
-    request of a victim completed the promotion, telling the party that the victim sent the prefix."""
-    policy = PromotionPolicy(min_hits_per_hour=min_hits, min_tenants=k)
-    share = policy.max_hits_per_tenant_per_hour
-    counter, prefix, now = InMemoryPromotionCounter(), [PrefixHash("ab" * 32)], 1_000_000.0
-    for i in range(k - 1):  # one party's k−1 tenants, as many requests as they like
-        for _ in range(min_hits):
+async def _record_at_cap(counter, policy, prefix, tenants, now):
+    for tenant in tenants:  # as many requests as they like: each counts up to its cap
+        for _ in range(policy.min_hits_per_hour):
             [stats] = await counter.record(
-                prefix, TenantTag(f"t-party-{i}"), now, max_hits_per_tenant_per_hour=share
+                prefix,
+                TenantTag(tenant),
+                now,
+                max_hits_per_tenant_per_hour=policy.max_hits_per_tenant_per_hour,
             )
-    assert stats.hits <= (k - 1) * share  # each tenant counts up to min_hits / min_tenants, never more
-    [stats] = await counter.record(prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=share)
-    assert not policy.should_promote(stats), (min_hits, k, stats)
+    return stats
+
+
+@pytest.mark.parametrize(
+    ("min_hits", "k"), [(3, 3), (6, 3), (8, 3), (14, 4), (1000, 3), (1001, 3), (1000, 5)]
+)
+async def test_k_minus_1_tenants_never_make_the_hits_alone_and_k_tenants_do(min_hits, k):
+    """Review r3 D5: with (min_hits, k) = (9, 4), k−1 tenants of one party counted 9 and one request of a
+    victim completed the promotion, telling the party that the victim sent the prefix. Such thresholds are
+    now refused; at every accepted one the other tenants must send what the party cannot, and k tenants
+    at their cap reach the threshold."""
+    policy = PromotionPolicy(min_hits_per_hour=min_hits, min_tenants=k)
+    policy.check_threshold()
+    counter, prefix, now = InMemoryPromotionCounter(), [PrefixHash("ab" * 32)], 1_000_000.0
+    stats = await _record_at_cap(counter, policy, prefix, [f"t-party-{i}" for i in range(k - 1)], now)
+    assert stats.hits < min_hits
+    [stats] = await counter.record(
+        prefix, TenantTag("t-victim"), now, max_hits_per_tenant_per_hour=policy.max_hits_per_tenant_per_hour
+    )
+    assert policy.should_promote(stats) == (
+        stats.hits >= min_hits
+    )  # one request: only if it is all that is left
+    if min_hits >= 6:
+        assert not policy.should_promote(stats), (min_hits, k, stats)
+    stats = await _record_at_cap(counter, policy, prefix, ["t-victim"], now)
+    assert policy.should_promote(stats), (min_hits, k, stats)  # the k-th tenant at its cap: promoted
+
+
+@pytest.mark.parametrize(("min_hits", "k"), [(2, 3), (4, 3), (6, 4), (9, 4), (16, 5)])
+def test_a_threshold_k_minus_1_tenants_make_alone_is_refused(min_hits, k):
+    with pytest.raises(ValueError, match="too low"):
+        PromotionPolicy(min_hits_per_hour=min_hits, min_tenants=k).check_threshold()
