@@ -513,6 +513,7 @@ class Engine:
             self._finish(seq, "error", error=message)
         except Exception:
             log.exception("cleaning up failed request %s", seq.request_id)
+            self._sequences.pop(seq.request_id, None)  # a prefetch landing later is given back, not held
             for queue_ in (self.scheduler.running, self.scheduler.waiting):
                 if seq in queue_:
                     queue_.remove(seq)
