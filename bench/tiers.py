@@ -190,7 +190,11 @@ def restore_chain_engine_gbps(
     free_blocks = random.Random(7).sample(range(4 * num_blocks), num_blocks)  # free L1 blocks after churn
     best: dict[str, float] = {}
     for attempt in range(repeats):
-        big_l2 = replace(tiers, l2_bytes=(num_blocks + 16) * pool[0].numel() * pool.element_size())
+        big_l2 = replace(  # one namespace may stage half the prefetch budget: room for the whole chain
+            tiers,
+            l2_bytes=(num_blocks + 16) * pool[0].numel() * pool.element_size(),
+            prefetch_bytes=max(tiers.prefetch_bytes, 2 * num_bytes),
+        )
         reader = _tiered_store(big_l2, pool, posted)  # a restarted worker: L3 index rebuilt from the files
         if reader.disk is not None:
             drop_page_cache([info.path for info in reader.disk.files.values()])

@@ -107,6 +107,7 @@ class Engine:
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
         self.purge_fence = PurgeFence()
+        self._purges: set[asyncio.Future[Any]] = set()  # purges under way (kept while their callers are gone)
         self.scheduler = Scheduler(
             self.block_manager,
             model_fingerprint=self.fingerprint,
@@ -256,6 +257,15 @@ class Engine:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, int]] = loop.create_future()
         self._post("purge", (namespace_id, loop, done))
+        # A cancelled caller (client gone) does not stop the erase, nor lower the fence before it ends.
+        task = asyncio.ensure_future(self._purge_tiers(namespace_id, done))
+        self._purges.add(task)
+        task.add_done_callback(self._purges.discard)
+        return await asyncio.shield(task)
+
+    async def _purge_tiers(
+        self, namespace_id: str, done: asyncio.Future[dict[str, int]]
+    ) -> tuple[dict[str, int], dict[str, str]]:
         failed: dict[str, str] = {}
         try:
             try:
@@ -503,6 +513,7 @@ class Engine:
             self._finish(seq, "error", error=message)
         except Exception:
             log.exception("cleaning up failed request %s", seq.request_id)
+            self._sequences.pop(seq.request_id, None)  # a prefetch landing later is given back, not held
             for queue_ in (self.scheduler.running, self.scheduler.waiting):
                 if seq in queue_:
                     queue_.remove(seq)

@@ -75,10 +75,11 @@ def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fin
     token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
     namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
     num_l1 = len(pool.match_prefix(seq.block_hashes, token_blocks))
-    plan = store.plan_prefetch(seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1)
+    plan = store.plan_prefetch(
+        seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1, owner=seq.namespace_id
+    )
     if plan is not None:
         seq.prefetching = True
-        plan.owner = seq.namespace_id
         store.start_prefetch(plan)
 
 
@@ -90,8 +91,8 @@ def finish_prefetch(
     Blocks of a namespace purged since the request arrived are dropped (read before the purge erased
     them), with the rest of the run after them.
     """
-    if seq is None:
-        store.unstage(result.staged_bytes)
+    if seq is None or seq.is_finished:  # gone (or failed) while it was read: the budget comes back
+        store.unstage(result.staged_bytes, result.owner)
         return
     for k, namespace_id in enumerate(result.namespace_ids):
         if fence.purged_since(namespace_id, seq.purge_tag):
@@ -100,7 +101,7 @@ def finish_prefetch(
     seq.block_origins.update(store.finish_prefetch(result))
     store.drop_prefetched(seq)  # (one prefetch per request: nothing to give back unless ids were reused)
     held = result.data.nbytes if result.records and result.data is not None else 0
-    store.unstage(result.staged_bytes - held)  # the budget was reserved for the whole plan
+    store.unstage(result.staged_bytes - held, result.owner)  # the budget was reserved for the whole plan
     seq.prefetched, seq.staged_bytes = (result, held) if held else (None, 0)
     seq.prefetching = False
 

@@ -4,6 +4,7 @@ waiting requests prefetched stays within the L2 budget."""
 import asyncio
 import threading
 
+from policies.hashing import NamespaceSegment
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
 from tests.worker.test_tiers import BLOCK_BYTES, A, B
@@ -105,3 +106,74 @@ async def test_prefetched_blocks_of_waiting_requests_stay_within_their_budget(ma
     assert prefetch["skipped_blocks_total"] > 0  # 80 blocks wanted, 16 allowed at once
     assert from_l3 > 0  # within the budget, prefetching still serves them
     assert prefetch["staged_bytes"] == 0  # every request gave its share back
+
+
+async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
+    make_engine, tmp_path
+):
+    """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
+    waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
+    10 blocks on disk recomputed). Now one namespace may hold at most half the budget."""
+    block_bytes = 8192
+    engine = make_engine(
+        num_blocks=48,
+        l2_bytes=4 * block_bytes,
+        prefetch_bytes=16 * block_bytes,
+        l3_dir=tmp_path / "kv",
+        l3_min_free_bytes=0,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+    )
+    c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
+    a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
+    b_prompt = prompt_of(777, 160)
+    for i, p in enumerate(a_prompts):
+        await run(engine, f"fill-a{i}", p, segs=A, params=greedy(1))
+    await run(engine, "fill-b", b_prompt, segs=B, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=c, params=greedy(700)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    burst = [
+        asyncio.create_task(run(engine, f"a{i}", p, segs=A, params=greedy(1)))
+        for i, p in enumerate(a_prompts)
+    ]
+    await asyncio.sleep(0.3)  # A's prefetches landed and are held by its waiting requests
+    staged_by_a = engine.stats()["tiers"]["prefetch"]["staged_bytes"]
+    b = asyncio.create_task(run(engine, "b", b_prompt, segs=B, params=greedy(1)))
+    await hog
+    _, b_usage, _ = await b
+    a_results = await asyncio.gather(*burst)
+    assert 0 < staged_by_a <= 8 * block_bytes
+    assert b_usage["cached_tokens_by_source"].get("l3", 0) >= 8 * 16, b_usage
+    assert sum(u["cached_tokens_by_source"].get("l3", 0) for _, u, _ in a_results) > 0
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_a_request_whose_failure_cleanup_fails_gives_its_prefetch_budget_back(
+    make_engine, tmp_path, monkeypatch
+):
+    """r4 (code reading): when the cleanup of a failed request itself raised, the fallback left it in the
+    engine's table; its prefetch, landing afterwards, was held for good (budget never given back)."""
+    engine = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, l3_dir=tmp_path / "kv", l3_min_free_bytes=0)
+    prompt = prompt_of(4242, 160)  # 10 blocks of t-a
+    await run(engine, "first", prompt, segs=A, params=greedy(1))
+    for i in range(3):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(910 + i, 320), segs=B, params=greedy(1))
+    engine.store.wait_for_writes()
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.scheduler, "add", broken)  # the request fails after its prefetch started
+    monkeypatch.setattr(engine, "_leave_queue", broken)  # and its cleanup fails too
+    outputs = [out async for out in engine.generate("doomed", prompt, greedy(1), A)]
+    assert outputs[-1].finished and outputs[-1].error
+    for _ in range(200):  # the prefetch lands and its budget comes back
+        if not engine.stats()["tiers"]["prefetch"]["staged_bytes"]:
+            break
+        await asyncio.sleep(0.01)
+    assert "doomed" not in engine._sequences
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0

@@ -3,6 +3,7 @@ running, must not bring blocks of the purged namespace back into any tier once t
 
 import asyncio
 
+import worker.engine as engine_mod
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
 from tests.worker.test_tiers import BLOCK_BYTES, A, B
@@ -76,3 +77,69 @@ def test_the_fence_covers_the_whole_purge_and_forgets_what_no_work_predates():
     fence.purge_started("t-b")
     fence.purge_done("t-b", live_tags=[])  # no work under way: nothing to remember
     assert fence._purged_at == {}
+
+
+def test_work_starting_while_a_purge_runs_is_fenced_until_and_after_it_ends():
+    """r4: a request arriving after purge_started got the purge's own generation as its tag, so a prefetch
+    that read Redis before the erase and landed before purge_done was not fenced."""
+    fence = PurgeFence()
+    fence.purge_started("t-a")
+    during = fence.tag()
+    assert fence.purged_since("t-a", during)
+    fence.purge_started("t-b")  # two purges overlap: A's end must not forget B's, still running
+    fence.purge_done("t-a", live_tags=[during])
+    assert fence.purged_since("t-b", fence.tag()) and fence.purged_since("t-a", during)
+    fence.purge_done("t-b", live_tags=[])
+    assert not fence.purged_since("t-b", fence.tag()) and fence._purged_at == {}
+
+
+async def test_a_prefetch_started_and_landed_during_the_redis_erase_is_dropped(
+    make_engine, kv_redis_url, monkeypatch
+):
+    """r4: a request arriving 0.3 s into a purge (Redis erase still running) was served 64 tokens from
+    Redis blocks the purge then reported erased, and left 5 of them in L2."""
+    producer = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=kv_redis_url)
+    prompt = prompt_of(4141, 80)  # 5 full blocks of t-a
+    await run(producer, "first", prompt, segs=A)
+    for i in range(6):  # push t-a's blocks out to Redis
+        await run(producer, f"filler-{i}", prompt_of(9100 + i, 80), segs=B)
+    producer.store.wait_for_writes()
+    real = engine_mod.purge_remote
+
+    async def slow_erase(*args):  # the Redis erase SCANs a shared keyspace: it takes a while
+        await asyncio.sleep(1.0)
+        await real(*args)
+
+    monkeypatch.setattr(engine_mod, "purge_remote", slow_erase)
+    consumer = make_engine(num_blocks=64, l2_bytes=64 * BLOCK_BYTES, remote_url=kv_redis_url)
+    purge = asyncio.create_task(consumer.purge("t-a"))
+    await asyncio.sleep(0.3)  # L1, L2, L3 erased, fence up; Redis not yet erased
+    _, usage, _ = await run(consumer, "during", prompt, segs=A)  # its prefetch reads Redis and lands
+    erased, failed = await purge
+    assert not failed and erased.get("remote") == 5
+    assert usage["cached_tokens_by_source"].get("remote", 0) == 0, usage
+    assert _blocks_of(consumer, "t-a") == (0, 0)
+
+
+async def test_a_cancelled_purge_keeps_its_fence_until_the_redis_erase_ends(
+    make_engine, kv_redis_url, monkeypatch
+):
+    """The /v1/purge handler may be cancelled (client gone) while Redis is erased off the engine thread: the
+    fence must stay up until the erase itself ends, not drop when the handler unwinds."""
+    engine = make_engine(num_blocks=24, l2_bytes=4 * BLOCK_BYTES, remote_url=kv_redis_url)
+    real, ended = engine_mod.purge_remote, asyncio.Event()
+
+    async def slow_erase(*args):
+        await asyncio.sleep(0.5)
+        await real(*args)
+        ended.set()
+
+    monkeypatch.setattr(engine_mod, "purge_remote", slow_erase)
+    purge = asyncio.create_task(engine.purge("t-a"))
+    await asyncio.sleep(0.2)
+    purge.cancel()
+    await asyncio.sleep(0.1)  # the engine thread has had time to run any purge_done posted on cancel
+    assert engine.purge_fence.purged_since("t-a", engine.purge_fence.tag())
+    await asyncio.wait_for(ended.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert not engine.purge_fence.purged_since("t-a", engine.purge_fence.tag())

@@ -84,6 +84,7 @@ class PrefetchResult:
     namespace_ids: list[str]
     data: torch.Tensor | None
     staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
+    owner: str = ""  # namespace of the request (whose share of the budget ``staged_bytes`` is)
 
     def head(self, num_blocks: int) -> PrefetchResult:
         """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
@@ -95,6 +96,7 @@ class PrefetchResult:
             namespace_ids=self.namespace_ids[:num_blocks],
             data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
             staged_bytes=self.staged_bytes,
+            owner=self.owner,
         )
 
 
@@ -179,6 +181,7 @@ class TieredStore:
         }
         # Host bytes reserved for prefetches in flight and held by waiting requests (engine thread only).
         self.staged_bytes = 0
+        self.staged_by_owner: dict[str, int] = {}  # namespace -> its part of staged_bytes (fair share)
         self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
@@ -268,8 +271,10 @@ class TieredStore:
         token_blocks: Sequence[list[int]],
         namespace_ids: Sequence[str],
         num_l1: int,
+        owner: str = "",
     ) -> PrefetchPlan | None:
-        """What to fetch for a new request whose first ``num_l1`` blocks are in L1 (None: nothing)."""
+        """What to fetch for a new request of namespace ``owner`` whose first ``num_l1`` blocks are in L1
+        (None: nothing). One namespace holds at most half the budget, so another always finds room."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
         plan = PrefetchPlan(
             request_id=request_id,
@@ -277,8 +282,11 @@ class TieredStore:
             hashes=list(hashes[start:]),
             token_blocks=list(token_blocks[start:]),
             namespace_ids=list(namespace_ids[start:]),
+            owner=owner,
         )
-        room = max(0, (self.config.prefetch_bytes - self.staged_bytes) // self.bytes_per_block)
+        budget = self.config.prefetch_bytes
+        free = min(budget - self.staged_bytes, budget // 2 - self.staged_by_owner.get(owner, 0))
+        room = max(0, free // self.bytes_per_block)
         if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
             self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
@@ -302,17 +310,26 @@ class TieredStore:
         if not plan.disk_blocks and not plan.use_remote:
             return None
         plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
-        self.staged_bytes += plan.staged_bytes
+        self._stage(owner, plan.staged_bytes)
         return plan
 
-    def unstage(self, num_bytes: int) -> None:
+    def unstage(self, num_bytes: int, owner: str = "") -> None:
         """Give back prefetch budget (engine thread)."""
-        self.staged_bytes -= num_bytes
+        self._stage(owner, -num_bytes)
+
+    def _stage(self, owner: str, num_bytes: int) -> None:
+        self.staged_bytes += num_bytes
+        held = self.staged_by_owner.get(owner, 0) + num_bytes
+        if held:
+            self.staged_by_owner[owner] = held
+        else:
+            self.staged_by_owner.pop(owner, None)
 
     def drop_prefetched(self, seq: Any) -> None:
         """A request no longer needs what it prefetched (loaded into L1, finished, or purged)."""
-        seq.prefetched = None
-        self.unstage(seq.staged_bytes)
+        fetched, seq.prefetched = seq.prefetched, None
+        if seq.staged_bytes:  # held with ``fetched``, charged to its owner (never raises: cleanup path)
+            self.unstage(seq.staged_bytes, fetched.owner if fetched is not None else "")
         seq.staged_bytes = 0
 
     def start_prefetch(self, plan: PrefetchPlan) -> None:
@@ -367,6 +384,7 @@ class TieredStore:
             namespace_ids=plan.namespace_ids[: len(records)],
             data=data,
             staged_bytes=plan.staged_bytes,
+            owner=plan.owner,
         )
         self._post(("prefetched", result))
 
