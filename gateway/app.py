@@ -271,12 +271,15 @@ async def openapi_handler(request: web.Request) -> web.Response:
     return web.json_response(openapi_spec())
 
 
-def authorize_from_headers(request: web.Request) -> None:
-    """Before a body is read: its route's credentials, from the headers alone (401/403 without reading)."""
+def authorize_from_headers(request: web.Request) -> str | None:
+    """Before a body is read: its route's credentials, from the headers alone (401/403 without reading).
+    Who is asking ("admin", "tenant:<id>"), or None for a route that authorizes nothing (takes no body)."""
     if request.path.startswith("/admin/"):
         check_admin_token(request)
-    elif request.path.startswith("/v1/"):
-        openai_api.authenticate(request)
+        return "admin"
+    if request.path.startswith("/v1/"):
+        return "tenant:" + openai_api.authenticate(request).tenant_id
+    return None
 
 
 def create_app(config: GatewayConfig) -> web.Application:

@@ -184,7 +184,8 @@ class ModelRuntime:
             )
         except TemplateError:
             raise
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
+            # Also the template's own Python errors on odd values (tojson of an undefined: TypeError).
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, text: str) -> list[int]:

@@ -279,6 +279,7 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     message = dict(raw)
     message["role"] = "system" if role == "developer" else role
     message["content"] = _content_text(raw.get("content"), index)
+    _check_tool_calls(raw.get("tool_calls"), index)
     if message["content"] is None and not raw.get("tool_calls"):
         if role != "assistant":
             raise InvalidRequest(
@@ -288,6 +289,31 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
             )
         message["content"] = ""
     return message
+
+
+def _check_tool_calls(calls: Any, index: int) -> None:
+    """An earlier turn's ``tool_calls``, in OpenAI's shape: chat templates index into it (``tojson`` of a
+    missing field would crash them)."""
+    if calls is None:
+        return
+    name = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _type_error(name, "an array of tool calls")
+    for i, call in enumerate(calls):
+        at = f"{name}[{i}]"
+        if not isinstance(call, dict):
+            raise _type_error(at, "an object")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise _type_error(f"{at}.id", "a string")
+        if call.get("type", "function") != "function":
+            raise InvalidRequest(f"'{at}.type' must be 'function'", param=f"{at}.type", code="invalid_value")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise _type_error(f"{at}.function", "an object with 'name' and 'arguments'")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise _type_error(f"{at}.function.name", "a non-empty string")
+        if not isinstance(function.get("arguments"), str | dict):
+            raise _type_error(f"{at}.function.arguments", "a string (JSON) or an object")
 
 
 def _reject_if_set(body: Mapping[str, Any], names: tuple[str, ...]) -> None:

@@ -5,9 +5,10 @@
 - What aiohttp refuses in a request head is answered with OpenAI's error JSON (``JSONErrorRequestHandler``).
 - A request body must arrive within ``read_timeout_s`` (408), and a ``Content-Length`` above the body
   limit is refused before anything is read (413) (``read_body_middleware``).
-- No body is read before its request is authorized from its headers (401 at once), and the bodies being
-  read at once hold at most ``max_reading_bytes`` between them (503 past it): slow uploads cannot fill
-  the gateway's memory.
+- No body is read before its request is authorized from its headers (401 at once); an unknown route
+  (404), a wrong method (405) or a route that authorizes nothing never has its body read. The bodies
+  being read at once hold at most ``max_reading_bytes`` between them, and one tenant (or the admin) at
+  most half of it (503 past either): slow uploads cannot fill the gateway's memory, nor starve others.
 """
 
 from __future__ import annotations
@@ -34,36 +35,52 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
     read_timeout_s: float,
     max_body_bytes: int,
     max_reading_bytes: int,
-    authorize: Callable[[web.Request], None],
+    authorize: Callable[[web.Request], str | None],
 ):
     """Read each body up front, within the limits above. ``authorize(request)`` raises (401, 403) when
-    the request's headers do not authorize its route; a body of unknown length counts as the limit."""
+    the request's headers do not authorize its route, and returns who is asking (a tenant, the admin), or
+    None for a route that authorizes nothing: such a route takes no body, and none is read for it. A body
+    of unknown length counts as the limit. One principal holds at most half of ``max_reading_bytes``
+    (503 past it), except that its first body is always let in under the overall bound."""
     reading_bytes = 0  # bodies being read now (by Content-Length): this app's, not a module global
+    reading_by: dict[str, int] = {}  # the same, per principal
+    share = max_reading_bytes // 2
 
     @web.middleware
     async def middleware(request: web.Request, handler):  # type: ignore[no-untyped-def]
         nonlocal reading_bytes
         if request.transport is not None:
             request.config_dict[STARTED].add(request.transport)
-        if request.body_exists:
-            length = request.content_length
-            if length is not None and length > max_body_bytes:
-                raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
-            if request.match_info.http_exception is None:  # an unknown route is a 404 without reading
-                authorize(request)
-            held = max_body_bytes if length is None else length
-            if reading_bytes + held > max_reading_bytes:
-                raise Unavailable(
-                    "too many request bodies are being uploaded at once; retry shortly", code="server_busy"
-                )
-            reading_bytes += held
-            try:
-                async with asyncio.timeout(read_timeout_s):
-                    await request.read()  # cached: handlers' read() returns it
-            except TimeoutError:
-                raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
-            finally:
-                reading_bytes -= held
+        if not request.body_exists:
+            return await handler(request)
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
+        if request.match_info.http_exception is not None:  # 404, 405: answered without reading
+            return await handler(request)
+        principal = authorize(request)
+        if principal is None:  # a route that takes no body (/healthz, /metrics): its body is never read
+            return await handler(request)
+        held = max_body_bytes if length is None else length
+        mine = reading_by.get(principal, 0)
+        if reading_bytes + held > max_reading_bytes or (mine and mine + held > share):
+            raise Unavailable(
+                "too many request bodies are being uploaded at once; retry shortly", code="server_busy"
+            )
+        reading_bytes += held
+        reading_by[principal] = mine + held
+        try:
+            async with asyncio.timeout(read_timeout_s):
+                await request.read()  # cached: handlers' read() returns it
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
+        finally:
+            reading_bytes -= held
+            left = reading_by[principal] - held
+            if left:
+                reading_by[principal] = left
+            else:
+                del reading_by[principal]
         return await handler(request)
 
     return middleware

@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -92,8 +92,10 @@ class ToolCallParser:
             calls.append((value["name"], arguments))
         return calls
 
-    def may_start_call(self, text: str) -> int | None:
-        """Where a tool call may begin in streamed text (hold the rest back), or None."""
+    def may_start_call(self, text: str, *, after_text: bool = False) -> int | None:
+        """Where a tool call may begin in streamed text (hold the rest back), or None. ``after_text``:
+        text was sent before ``text``; in llama3_json style the calls are the whole answer, so then
+        none may begin (as ``parse`` finds none in an answer that does not start with them)."""
         if self.style == HERMES:
             at = text.find("<tool_call>")
             if at >= 0:
@@ -101,6 +103,8 @@ class ToolCallParser:
             for size in range(len("<tool_call>") - 1, 0, -1):  # a marker split across deltas
                 if text.endswith("<tool_call>"[:size]):
                     return len(text) - size
+            return None
+        if after_text:
             return None
         stripped = text.lstrip()
         if not stripped:
@@ -199,25 +203,37 @@ def forced_call_grammar(
 @dataclass(slots=True)
 class ToolCallStream:
     """One streamed choice: text passes through until a tool call may begin; from there it is held
-    back and parsed at the end (as tool calls, or flushed as text when it is not one)."""
+    back and parsed at the end (as tool calls, or flushed as text when it is not one). What it sends
+    in all is what ``parser.parse`` of the whole answer gives, whatever the deltas' boundaries."""
 
     parser: ToolCallParser
     held: str = ""
+    sent: list[str] = field(default_factory=list)  # what feed() let through (parsed again at the end)
 
     def feed(self, text: str) -> str:
         """The part of ``text`` that can be sent now: up to where a call may start, less trailing
         whitespace (a call may follow it, and the whitespace before a call is not content)."""
         held = self.held + text
-        at = self.parser.may_start_call(held)
+        at = self.parser.may_start_call(held, after_text=bool(self.sent))
         at = len(held[: len(held) if at is None else at].rstrip())
         self.held = held[at:]
+        if at:
+            self.sent.append(held[:at])
         return held[:at]
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """``(text still to send, tool calls)`` at the end of the choice."""
+        """``(text still to send, tool calls)`` at the end of the choice: the whole answer parsed once,
+        as a non-streamed one is (its content always begins with what was sent)."""
         held, self.held = self.held, ""
-        content, calls = self.parser.parse(held)
-        return (content or "") if calls else held, calls
+        sent = "".join(self.sent)
+        content, calls = self.parser.parse(sent + held)
+        if not calls:
+            return held, []
+        content = content or ""
+        if not content.startswith(sent):  # cannot happen (feed never sends a call's start): text it is
+            log.error("streamed text and tool calls disagree; the held text is sent as text")
+            return held, []
+        return content[len(sent) :], calls
 
 
 def request_tools(request: ChatRequest, tool_style: str) -> tuple[ChatRequest, ToolCallParser | None]:

@@ -1,6 +1,7 @@
 """Tool calls: parsed from Hermes/Qwen and Llama-3 JSON answers into OpenAI ``tool_calls``, and
 ``tool_choice`` required/named enforced by constrained decoding (through the real openai SDK)."""
 
+import itertools
 import json
 
 import openai
@@ -237,3 +238,51 @@ def test_the_builtin_template_renders_calls_in_its_own_tool_style():
     assert "<|start|>tool call_1\ndone<|end|>" in text
     content, calls = ToolCallParser(style=HERMES, names=frozenset({"get_weather"})).parse(call)
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+PIECES = [
+    "hello",
+    " ",
+    "\n",
+    "<tool",
+    "<tool_call>",
+    "</tool_call>",
+    '{"name": "noop", "parameters": {}}',
+    '{"name": "noop", "arguments": {}}',
+    "; ",
+    "<|python_tag|>",
+    "{",
+]
+
+
+def _whole_and_streamed(style: str, pieces: list[str], cuts: list[int]) -> tuple:
+    parser = ToolCallParser(style=style, names=NAMES)
+    text = "".join(pieces)
+    content, calls = parser.parse(text)
+    stream = ToolCallStream(parser=parser)
+    ends = [sum(map(len, pieces[: i + 1])) for i in range(len(pieces))]  # each piece a delta, and cuts
+    bounds = sorted({0, *ends, *(c % (len(text) + 1) for c in cuts), len(text)})
+    sent = "".join(stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds))
+    rest, streamed_calls = stream.finish()
+    names = [[c["function"]["name"] for c in found] for found in (calls, streamed_calls)]
+    return (content or "", names[0]), (sent + rest, names[1])
+
+
+@pytest.mark.parametrize(
+    ("style", "deltas"),
+    [(LLAMA3_JSON, ["hello\n", '{"name": "noop", "parameters": {}}']), (LLAMA3_JSON, ["hi ", "{"])],
+)
+def test_text_then_json_is_not_a_llama3_call_streamed_or_not(style, deltas):
+    whole, streamed = _whole_and_streamed(style, deltas, [len(deltas[0])])
+    assert whole == streamed and whole[1] == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([HERMES, LLAMA3_JSON]),
+    st.lists(st.sampled_from(PIECES), max_size=6),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=4),
+)
+def test_streamed_and_whole_answers_agree(style, pieces, cuts):
+    whole, streamed = _whole_and_streamed(style, pieces, cuts)
+    assert streamed == whole

@@ -1,6 +1,7 @@
 """Rendering and tokenizing as the worker would: a real tokenizer.json built with `tokenizers`."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -98,6 +99,10 @@ def test_template_exceptions_and_sandbox(runtime: ModelRuntime):
     )
     with pytest.raises(TemplateError):
         evil.render_chat([{"role": "user", "content": "x"}], None)
+    # A template's own Python errors (tojson of an undefined value: TypeError) are refusals too.
+    crashing = ModelRuntime(replace(evil.info, chat_template="{{ messages[0].missing | tojson }}"))
+    with pytest.raises(TemplateError, match="chat template failed"):
+        crashing.render_chat([{"role": "user", "content": "x"}], None)
 
 
 def test_model_without_template_refuses_chat(runtime: ModelRuntime):

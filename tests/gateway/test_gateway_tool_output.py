@@ -109,7 +109,9 @@ def scripted_output(monkeypatch):
     async def scripted_stream(self, prepared):
         first = True
         async for event in stream(self, prepared):
-            if "text" in event:  # the first delta, even one whose bytes are not yet text
+            # The first delta, even one whose bytes are not yet text; the final event when no event had a
+            # text field (the sampled tokens of random weights can decode to nothing).
+            if "text" in event or (first and event.get("type") == "final"):
                 event = {**event, "text": script["text"] if first else ""}
                 first = False
             yield event

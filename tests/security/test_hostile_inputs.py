@@ -135,3 +135,36 @@ async def test_malformed_request_heads_get_an_openai_error(served, headers):  # 
     assert b" 400 " in status_line or b" 431 " in status_line, answer[:300]
     assert b"application/json" in rest.partition(b"\r\n\r\n")[0]
     assert_openai_error(json.loads(rest.partition(b"\r\n\r\n")[2]))
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "tool_calls",
+    [
+        "call me",
+        [1],
+        CALL,  # an object, not a list
+        [{"id": "c1", "type": "function"}],  # no function
+        [{"id": "c1", "type": "function", "function": "f"}],  # the template's tojson crashed: a 500
+        [{"id": "c1", "type": "function", "function": {"name": "f"}}],  # no arguments: a 500 too
+        [{"id": "c1", "type": "function", "function": {"name": 5, "arguments": "{}"}}],
+        [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": [1, 2]}}],
+        [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": None}}],
+        [{"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        [{"id": "c1", "type": "retrieval", "function": {"name": "f", "arguments": "{}"}}],
+    ],
+)
+async def test_malformed_assistant_tool_calls_are_a_400(gateway, tool_calls):
+    key = (await create_tenant(gateway))["api_key"]
+    body = chat_body("s")
+    at = len(body["messages"])
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        {"role": "user", "content": "go on"},
+    ]
+    status, error = await _post(gateway, key, body)
+    assert status == 400, error
+    assert error["error"]["param"].startswith(f"messages[{at}].tool_calls"), error

@@ -39,13 +39,13 @@ async def test_a_request_head_that_never_ends_is_cut_off(served):
     assert b" 200 " not in answer
 
 
-async def tenant_key(config) -> str:
+async def tenant_key(config, name: str = "uploader") -> str:
     """A tenant's API key, created through the served admin API."""
     async with (
         aiohttp.ClientSession() as session,
         session.post(
             f"http://{config.host}:{config.port}/admin/v1/tenants",
-            json={"name": "uploader"},
+            json={"name": name},
             headers={"Authorization": f"Bearer {config.admin_token}"},
         ) as response,
     ):
@@ -98,7 +98,54 @@ async def test_bodies_being_read_at_once_are_bounded_in_bytes(served_small):
         answer = await exchange(served_small, head + b"Content-Length: 1048576\r\n\r\n{")
         assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
         assert b"Retry-After" in answer and b'"server_busy"' in answer
-        small = await exchange(served_small, head + b"Content-Length: 2\r\n\r\n{}")  # small ones still fit
+        other = HEAD + f"Authorization: Bearer {await tenant_key(served_small, 'other')}\r\n".encode()
+        small = await exchange(served_small, other + b"Content-Length: 2\r\n\r\n{}")  # small ones still fit
         assert small.startswith(b"HTTP/1.1 400 "), small[:200]
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize(
+    "anonymous_head",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n",
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n",
+        b"POST /no-such-route HTTP/1.1\r\nHost: x\r\n",
+        b"PUT /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",  # 405
+    ],
+)
+async def test_a_body_no_key_authorizes_does_not_hold_the_reading_budget(served_small, anonymous_head):
+    key = await tenant_key(served_small)
+    _, writer = await asyncio.open_connection(served_small.host, served_small.port)
+    try:  # a keyless slow upload of 1 MiB, then a tenant's complete 0.6 MiB request (fits 1.5 MiB)
+        writer.write(anonymous_head + b"Content-Length: 1048576\r\n\r\n{")
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        body = b'{"messages":[],"padding":"' + b"x" * (600 << 10) + b'"}'
+        head = HEAD + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        answer = await exchange(served_small, head + body)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]  # read and refused as a request: no 503
+    finally:
+        writer.close()
+
+
+async def test_one_tenant_holds_at_most_half_the_reading_budget(served_small):
+    hog = HEAD + f"Authorization: Bearer {await tenant_key(served_small, 'hog')}\r\n".encode()
+    victim = HEAD + f"Authorization: Bearer {await tenant_key(served_small, 'victim')}\r\n".encode()
+    writers = []
+    try:  # the hog's first 0.7 MiB slow upload is let in; its second would pass half of 1.5 MiB
+        _, writer = await asyncio.open_connection(served_small.host, served_small.port)
+        writers.append(writer)
+        writer.write(hog + f"Content-Length: {7 * (1 << 20) // 10}\r\n\r\n{{".encode())
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        second = await exchange(
+            served_small, hog + f"Content-Length: {7 * (1 << 20) // 10}\r\n\r\n{{".encode()
+        )
+        assert second.startswith(b"HTTP/1.1 503 "), second[:300]
+        body = b'{"messages":[],"padding":"' + b"x" * (200 << 10) + b'"}'
+        answer = await exchange(served_small, victim + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    finally:
+        for writer in writers:
+            writer.close()
