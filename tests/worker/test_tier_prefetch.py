@@ -109,7 +109,7 @@ async def test_prefetched_blocks_of_waiting_requests_stay_within_their_budget(ma
 
 
 async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
-    make_engine, tmp_path
+    make_engine, tmp_path, monkeypatch
 ):
     """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
     waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
@@ -125,6 +125,8 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
         max_num_seqs=1,
         max_num_batched_tokens=64,
     )
+    # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
+    monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
     c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
     b_prompt = prompt_of(777, 160)
@@ -153,7 +155,9 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
     assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
 
 
-async def test_two_namespaces_at_their_share_leave_a_third_some_of_the_prefetch_budget(make_engine, tmp_path):
+async def test_two_namespaces_at_their_share_leave_a_third_some_of_the_prefetch_budget(
+    make_engine, tmp_path, monkeypatch
+):
     """r5: each namespace was capped at half the budget, so A's and B's waiting bursts staged all of it and
     tenant V's 10 blocks on disk were all recomputed. Now a namespace holds at most budget / (namespaces
     staging, itself included, + 1), and the namespaces already staging leave one more such share free."""
@@ -167,6 +171,8 @@ async def test_two_namespaces_at_their_share_leave_a_third_some_of_the_prefetch_
         max_num_seqs=1,
         max_num_batched_tokens=64,
     )
+    # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
+    monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
     d = [NamespaceSegment(start_token=0, namespace_id="t-d", key=b"key-of-tenant-d!" * 2)]
     v = [NamespaceSegment(start_token=0, namespace_id="t-v", key=b"key-of-tenant-v!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
