@@ -50,6 +50,7 @@ from worker.validation import validate_request
 from worker.watchdog import StepWatchdog
 
 log = logging.getLogger("prefixgate.worker")
+STOPPING = "the worker is stopping; nothing was erased here, retry"
 
 
 def model_fingerprint(loaded: LoadedModel, kv_dtype: torch.dtype, block_size: int) -> bytes:
@@ -134,6 +135,7 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_lock = threading.Lock()  # no purge is posted once stop() has begun
         self.waiting_queue = WaitingQueue(
             max_requests=config.max_waiting_requests, max_tokens=config.max_waiting_tokens
         )
@@ -149,14 +151,26 @@ class Engine:
 
     def stop(self) -> None:
         """Stop the loop, flush the cache to disk and release the tiers (idempotent)."""
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._stop_lock:
+            if self._stopping:
+                return
+            self._stopping = True
         self._inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._fail_unrun_purges()
         if self.store is not None:
             close_store(self.store, self.block_manager, flush=self.config.flush_on_stop)
+
+    def _fail_unrun_purges(self) -> None:
+        """The loop is gone: answer the purges it left in the inbox (they erased nothing locally)."""
+        while True:
+            try:
+                command, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command == "purge":
+                arg[1].call_soon_threadsafe(set_exception, arg[2], CommandFailed(STOPPING))
 
     @property
     def alive(self) -> bool:
@@ -256,7 +270,10 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[dict[str, int]] = loop.create_future()
-        self._post("purge", (namespace_id, loop, done))
+        with self._stop_lock:
+            if self._stopping:  # the loop is gone or going: nothing would run it (nor close the fence)
+                return {}, {"local": STOPPING}
+            self._post("purge", (namespace_id, loop, done))
         # A cancelled caller (client gone) does not stop the erase, nor lower the fence before it ends.
         task = asyncio.ensure_future(self._purge_tiers(namespace_id, done))
         self._purges.add(task)

@@ -114,11 +114,12 @@ async def test_prefetched_blocks_of_waiting_requests_stay_within_their_budget(ma
 
 
 async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
-    make_engine, tmp_path
+    make_engine, tmp_path, monkeypatch
 ):
     """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
     waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
-    10 blocks on disk recomputed). Now one namespace may hold at most half the budget."""
+    10 blocks on disk recomputed). Now one namespace alone may hold at most half the budget (and a second
+    one a third, r5)."""
     block_bytes = 8192
     engine = make_engine(
         num_blocks=48,
@@ -129,6 +130,8 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
         max_num_seqs=1,
         max_num_batched_tokens=64,
     )
+    # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
+    monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
     c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
     b_prompt = prompt_of(777, 160)
@@ -152,8 +155,58 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
     _, b_usage, _ = await b
     a_results = await asyncio.gather(*burst)
     assert 0 < staged_by_a <= 8 * block_bytes
-    assert b_usage["cached_tokens_by_source"].get("l3", 0) >= 8 * 16, b_usage
+    assert b_usage["cached_tokens_by_source"].get("l3", 0) >= 5 * 16, b_usage  # its share: 16 // 3 blocks
     assert sum(u["cached_tokens_by_source"].get("l3", 0) for _, u, _ in a_results) > 0
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_two_namespaces_at_their_share_leave_a_third_some_of_the_prefetch_budget(
+    make_engine, tmp_path, monkeypatch
+):
+    """r5: each namespace was capped at half the budget, so A's and B's waiting bursts staged all of it and
+    tenant V's 10 blocks on disk were all recomputed. Now a namespace holds at most budget / (namespaces
+    staging, itself included, + 1), and the namespaces already staging leave one more such share free."""
+    block_bytes = 8192
+    engine = make_engine(
+        num_blocks=48,
+        l2_bytes=4 * block_bytes,
+        prefetch_bytes=16 * block_bytes,
+        l3_dir=tmp_path / "kv",
+        l3_min_free_bytes=0,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+    )
+    # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
+    monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
+    d = [NamespaceSegment(start_token=0, namespace_id="t-d", key=b"key-of-tenant-d!" * 2)]
+    v = [NamespaceSegment(start_token=0, namespace_id="t-v", key=b"key-of-tenant-v!" * 2)]
+    a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
+    b_prompts = [prompt_of(500 + i, 160) for i in range(4)]
+    v_prompt = prompt_of(777, 160)
+    for i, p in enumerate(a_prompts):
+        await run(engine, f"fill-a{i}", p, segs=A, params=greedy(1))
+    for i, p in enumerate(b_prompts):
+        await run(engine, f"fill-b{i}", p, segs=B, params=greedy(1))
+    await run(engine, "fill-v", v_prompt, segs=v, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=d, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=d, params=greedy(700)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    burst = [
+        asyncio.create_task(run(engine, f"{name}{i}", p, segs=segs, params=greedy(1)))
+        for name, prompts, segs in (("a", a_prompts, A), ("b", b_prompts, B))
+        for i, p in enumerate(prompts)
+    ]
+    await asyncio.sleep(0.3)  # A's and B's prefetches landed and are held by their waiting requests
+    staged = engine.stats()["tiers"]["prefetch"]["staged_bytes"]
+    victim = asyncio.create_task(run(engine, "v", v_prompt, segs=v, params=greedy(1)))
+    await hog
+    _, v_usage, _ = await victim
+    await asyncio.gather(*burst)
+    assert 0 < staged < 16 * block_bytes
+    assert v_usage["cached_tokens_by_source"].get("l3", 0) >= 3 * 16, (staged, v_usage)
     assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
 
 

@@ -3,6 +3,8 @@ running, must not bring blocks of the purged namespace back into any tier once t
 
 import asyncio
 
+import pytest
+
 import worker.engine as engine_mod
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
@@ -143,3 +145,33 @@ async def test_a_cancelled_purge_keeps_its_fence_until_the_redis_erase_ends(
     await asyncio.wait_for(ended.wait(), 5)
     await asyncio.sleep(0.1)
     assert not engine.purge_fence.purged_since("t-a", engine.purge_fence.tag())
+
+
+async def test_a_purge_posted_after_the_engine_stopped_is_answered_at_once(make_engine, tmp_path):
+    """r5: once the engine loop had exited, the purge command never ran and purge() waited forever (the
+    worker's /v1/purge hung during shutdown). Now it answers at once that nothing was erased."""
+    engine = make_engine(l3_dir=tmp_path / "kv", l3_min_free_bytes=0, l2_bytes=1 << 20)
+    await run(engine, "fill", prompt_of(1, 64), segs=A, params=greedy(1))
+    await asyncio.to_thread(engine.stop)  # the worker's cleanup_ctx stops the engine
+    purge = asyncio.ensure_future(engine.purge("t-a"))
+    done, _ = await asyncio.wait([purge], timeout=5)
+    assert done, "purge() never answered after the engine stopped"
+    erased, failed = purge.result()
+    assert erased == {} and "stopping" in failed["local"], (erased, failed)
+    assert not engine._purges
+
+
+@pytest.mark.parametrize("posted", [False, True])
+async def test_purges_racing_the_engine_stop_are_all_answered(make_engine, tmp_path, posted):
+    """A purge posted just before stop() may find the loop already gone: stop() fails what it left."""
+    engine = make_engine(l3_dir=tmp_path / "kv", l3_min_free_bytes=0, l2_bytes=1 << 20)
+    await run(engine, "fill", prompt_of(1, 64), segs=A, params=greedy(1))
+    purges = [asyncio.ensure_future(engine.purge(ns)) for ns in ("t-a", "t-b", "t-a")]
+    if posted:  # their commands are in the inbox before stop() begins
+        await asyncio.sleep(0)
+    await asyncio.to_thread(engine.stop)
+    done, _ = await asyncio.wait(purges, timeout=5)
+    assert len(done) == len(purges), "a purge never answered across the engine stop"
+    for purge in purges:
+        erased, failed = purge.result()
+        assert failed == {} or "stopping" in failed["local"], (erased, failed)

@@ -274,7 +274,7 @@ class TieredStore:
         owner: str = "",
     ) -> PrefetchPlan | None:
         """What to fetch for a new request of namespace ``owner`` whose first ``num_l1`` blocks are in L1
-        (None: nothing). One namespace holds at most half the budget, so another always finds room."""
+        (None: nothing). A namespace holds at most its share of the budget (``_prefetch_room``)."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
         plan = PrefetchPlan(
             request_id=request_id,
@@ -284,9 +284,7 @@ class TieredStore:
             namespace_ids=list(namespace_ids[start:]),
             owner=owner,
         )
-        budget = self.config.prefetch_bytes
-        free = min(budget - self.staged_bytes, budget // 2 - self.staged_by_owner.get(owner, 0))
-        room = max(0, free // self.bytes_per_block)
+        room = self._prefetch_room(owner) // self.bytes_per_block
         if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
             self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
@@ -312,6 +310,15 @@ class TieredStore:
         plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
         self._stage(owner, plan.staged_bytes)
         return plan
+
+    def _prefetch_room(self, owner: str) -> int:
+        """Bytes ``owner`` may stage now. With k namespaces staging (``owner`` included) each holds at most
+        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of a namespace
+        that stages nothing yet, so a newcomer always finds room while the earlier ones keep theirs."""
+        budget, held = self.config.prefetch_bytes, self.staged_by_owner.get(owner, 0)
+        staging = len(self.staged_by_owner) + (0 if held else 1)
+        free = budget - self.staged_bytes - (budget // (staging + 2) if held else 0)
+        return max(0, min(free, budget // (staging + 1) - held))
 
     def unstage(self, num_bytes: int, owner: str = "") -> None:
         """Give back prefetch budget (engine thread)."""
