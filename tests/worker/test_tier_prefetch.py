@@ -113,18 +113,15 @@ async def test_prefetched_blocks_of_waiting_requests_stay_within_their_budget(ma
     assert prefetch["staged_bytes"] == 0  # every request gave its share back
 
 
-async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
-    make_engine, tmp_path, monkeypatch
-):
-    """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
-    waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
-    10 blocks on disk recomputed). Now one namespace alone may hold at most half the budget (and a second
-    one a third, r5)."""
-    block_bytes = 8192
+BUDGET_TEST_BLOCK_BYTES = 8192  # random-tiny's block
+
+
+def _budget_engine(make_engine, tmp_path, monkeypatch):
+    """One running sequence at a time, a 16-block prefetch budget, blocks restored from disk."""
     engine = make_engine(
         num_blocks=48,
-        l2_bytes=4 * block_bytes,
-        prefetch_bytes=16 * block_bytes,
+        l2_bytes=4 * BUDGET_TEST_BLOCK_BYTES,
+        prefetch_bytes=16 * BUDGET_TEST_BLOCK_BYTES,
         l3_dir=tmp_path / "kv",
         l3_min_free_bytes=0,
         max_num_seqs=1,
@@ -132,6 +129,18 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
     )
     # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
     monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
+    return engine
+
+
+async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
+    make_engine, tmp_path, monkeypatch
+):
+    """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
+    waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
+    10 blocks on disk recomputed). Now one namespace alone may hold at most half the budget (and a second
+    one a third, r5)."""
+    block_bytes = BUDGET_TEST_BLOCK_BYTES
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)
     c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
     b_prompt = prompt_of(777, 160)
@@ -166,18 +175,8 @@ async def test_two_namespaces_at_their_share_leave_a_third_some_of_the_prefetch_
     """r5: each namespace was capped at half the budget, so A's and B's waiting bursts staged all of it and
     tenant V's 10 blocks on disk were all recomputed. Now a namespace holds at most budget / (namespaces
     staging, itself included, + 1), and the namespaces already staging leave one more such share free."""
-    block_bytes = 8192
-    engine = make_engine(
-        num_blocks=48,
-        l2_bytes=4 * block_bytes,
-        prefetch_bytes=16 * block_bytes,
-        l3_dir=tmp_path / "kv",
-        l3_min_free_bytes=0,
-        max_num_seqs=1,
-        max_num_batched_tokens=64,
-    )
-    # Not under test: the load-or-recompute gate, timed on this noisy machine, may recompute a short load.
-    monkeypatch.setattr(engine.store, "worth_loading", lambda tier, num_blocks: num_blocks > 0)
+    block_bytes = BUDGET_TEST_BLOCK_BYTES
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)
     d = [NamespaceSegment(start_token=0, namespace_id="t-d", key=b"key-of-tenant-d!" * 2)]
     v = [NamespaceSegment(start_token=0, namespace_id="t-v", key=b"key-of-tenant-v!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
