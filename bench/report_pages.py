@@ -101,6 +101,25 @@ async def lag_while(work: Callable[[], Awaitable[int]]) -> dict[str, float]:
     return {"elapsed_s": round(elapsed, 3), "loop_max_lag_s": round(max(lags), 3), "mb": round(size / 1e6, 1)}
 
 
+def busy_events(indices: range, now: datetime) -> list[UsageEvent]:
+    """Requests of one tenant ``tn_busy`` at ``now``, each from its own end user."""
+    return [
+        UsageEvent(
+            request_id=f"busy-{i}",
+            tenant_id="tn_busy",
+            model="m",
+            endpoint="chat.completions",
+            status=200,
+            end_user=f"user-{i:06d}",
+            prompt_tokens=100,
+            completion_tokens=5,
+            prices=PRICES,
+            created_at=now,
+        )
+        for i in indices
+    ]
+
+
 async def run(users: int, postgres_url: str) -> dict[str, Any]:
     name = f"prefixgate_bench_{secrets.token_hex(4)}"
     await _pg_admin(postgres_url, f'CREATE DATABASE "{name}"')
@@ -114,22 +133,8 @@ async def run(users: int, postgres_url: str) -> dict[str, Any]:
                 sessionmaker = client.app[SESSIONMAKER]
                 now = datetime.now(UTC)
                 for start in range(0, users, 10_000):
-                    events = [
-                        UsageEvent(
-                            request_id=f"bench-{i}",
-                            tenant_id="tn_busy",
-                            model="m",
-                            endpoint="chat.completions",
-                            status=200,
-                            end_user=f"user-{i:06d}",
-                            prompt_tokens=100,
-                            completion_tokens=5,
-                            prices=PRICES,
-                            created_at=now,
-                        )
-                        for i in range(start, min(users, start + 10_000))
-                    ]
-                    await insert_usage(sessionmaker, events)
+                    batch = range(start, min(users, start + 10_000))
+                    await insert_usage(sessionmaker, busy_events(batch, now))
                 results: dict[str, list[dict[str, float]]] = {"main": [], "now": []}
                 for _ in range(2):
                     results["main"].append(await lag_while(lambda: main_report(sessionmaker)))

@@ -10,36 +10,18 @@ from datetime import UTC, datetime
 
 import pytest
 
+from bench.report_pages import busy_events
 from gateway.app import create_app
 from gateway.state import SESSIONMAKER
 from tenancy.usage import insert_usage
-from tenancy.usage_types import Prices, UsageEvent
 from tests.gateway.conftest import ADMIN, make_config
-
-PRICES = Prices(input_per_mtok=1.0, cached_input_per_mtok=0.1, output_per_mtok=2.0)
 
 
 async def busy_client(aiohttp_client, pg_url, tmp_path, num_users: int):
     """A gateway whose database holds ``num_users`` requests of one tenant, this hour, each from its own
     end user."""
     client = await aiohttp_client(create_app(make_config(pg_url, tmp_path)))
-    now = datetime.now(UTC)
-    events = [
-        UsageEvent(
-            request_id=f"busy-{i}",
-            tenant_id="tn_busy",
-            model="m",
-            endpoint="chat.completions",
-            status=200,
-            end_user=f"user-{i:06d}",
-            prompt_tokens=100,
-            completion_tokens=5,
-            prices=PRICES,
-            created_at=now,
-        )
-        for i in range(num_users)
-    ]
-    await insert_usage(client.app[SESSIONMAKER], events)
+    await insert_usage(client.app[SESSIONMAKER], busy_events(range(num_users), datetime.now(UTC)))
     return client
 
 

@@ -179,9 +179,9 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
-        # Host bytes reserved for prefetches in flight and held by waiting requests (engine thread only).
-        self.staged_bytes = 0
-        self.staged_by_owner: dict[str, int] = {}  # namespace -> its part of staged_bytes (fair share)
+        # Host bytes reserved for prefetches in flight and held by waiting requests, per namespace (its
+        # fair share; engine thread only).
+        self.staged_by_owner: dict[str, int] = {}
         self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
@@ -324,8 +324,12 @@ class TieredStore:
         """Give back prefetch budget (engine thread)."""
         self._stage(owner, -num_bytes)
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the prefetch budget reserved now, all namespaces together."""
+        return sum(self.staged_by_owner.values())
+
     def _stage(self, owner: str, num_bytes: int) -> None:
-        self.staged_bytes += num_bytes
         held = self.staged_by_owner.get(owner, 0) + num_bytes
         if held:
             self.staged_by_owner[owner] = held
