@@ -14,7 +14,7 @@ from openai import AsyncOpenAI
 
 from gateway.app import create_app
 from gateway.near_miss_findings import DivergingSpan, RedisFindings
-from gateway.state import NEAR_MISS
+from gateway.state import NEAR_MISS, POLICY_CACHE
 from tests.gateway.conftest import ADMIN, create_tenant, make_config
 from tests.gateway.test_gateway_near_miss import BLOCK, complete, embedding_cache  # noqa: F401 - fixture
 from tests.gateway.test_gateway_routing_kv import wait_until
@@ -100,12 +100,16 @@ async def test_a_near_miss_seen_by_one_replica_is_listed_by_the_other(
     assert listed[0]["position_token"] == 3 * BLOCK
     assert b.app[NEAR_MISS].num_remembered() == 0  # b saw no request: the finding came through Redis
     assert await findings_of(a, near) == listed
+    # b learns of the tenant from its next policy reload (every 0.1 s here): not a race the test measures
+    await wait_until(lambda: b.app[POLICY_CACHE].authenticate(near["api_key"]) is not None)
     lint = await b.post(
         "/v1/prompt-lint",
         json={"model": "random-tiny", "messages": [{"role": "user", "content": "hi"}]},
         headers={"Authorization": f"Bearer {near['api_key']}"},
     )
-    assert (await lint.json())["near_miss_findings"] == listed
+    body = await lint.json()
+    assert lint.status == 200, body
+    assert body["near_miss_findings"] == listed
     assert await findings_of(b, other) == [] and await findings_of(a, other) == []  # never another's
     await sdk.close()
 
