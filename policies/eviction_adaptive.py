@@ -9,6 +9,10 @@ to follow from the accesses it sees:
   every access (hits and misses of the real cache alike): what that expert would have hit alone.
 - **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader for the
   victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists.
+- **The leader's shadow first.** Before asking the leader's follower, ``evict`` takes the real resident
+  blocks the leader's shadow has already evicted, in the order it evicted them: after a switch the real
+  cache drops what the new leader would not hold, instead of what its follower (which only watched the
+  old leader's choices) ranks last. With one leader all along there is no such block.
 - **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
   they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
   every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead
@@ -60,6 +64,7 @@ class _Shadow:
     pinned: set[BlockId] = field(default_factory=set)  # blocks of the prompt being replayed
     last_position: int = -1  # position of the previous access (a drop starts a new prompt)
     last_usable: BlockId | None = None  # the previous access, if it was a usable hit
+    last_victim: BlockId | None = None  # the block the last access evicted (None: none)
 
     def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
         """Replay one access of the real cache's stream; True if it was a prefix-usable hit."""
@@ -67,15 +72,17 @@ class _Shadow:
             self.pinned.clear()
         self.last_position = meta.position
         if block_id in self.parent_of:
+            self.last_victim = None
             usable = self.sampled or meta.position == 0 or meta.parent == self.last_usable
             self.last_usable = block_id if usable else None
             self.pinned.add(block_id)
             self.policy.on_hit(block_id, now)
             return usable
         self.last_usable = None
+        self.last_victim = None
         self.policy.on_miss(block_id, now)
         if len(self.parent_of) >= self.capacity_blocks:
-            victim = self.policy.evict(self._can_evict)
+            victim = self.last_victim = self.policy.evict(self._can_evict)
             if victim is None:
                 return False
             victim_parent = self.parent_of.pop(victim)
@@ -132,6 +139,9 @@ class AdaptivePolicy(EvictionPolicy):
         # and, last, the real cache. Counts are kept in units of 1 / _weight so decay costs nothing.
         self._wins = [[0.0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
         self._weight = 1.0
+        # _outside[i]: real resident blocks shadow i does not hold, in the order it dropped them (the
+        # real cache evicts the leader's first); unused with sampled shadows, which see no whole cache.
+        self._outside: list[dict[BlockId, None]] = [{} for _ in _EXPERTS]
 
     @property
     def leader_name(self) -> str:
@@ -168,6 +178,12 @@ class AdaptivePolicy(EvictionPolicy):
             follower.on_evicted(block_id)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+        victim = next((block for block in self._outside[self.leader] if can_evict(block)), None)
+        if victim is not None:  # the leader's shadow already dropped it
+            self._forget(victim)
+            for follower in self._followers:
+                follower.on_evicted(victim)
+            return victim
         order = [self.leader, *(i for i in range(len(self._followers)) if i != self.leader)]
         for index in order:  # the others only when the leader has no evictable block
             victim = self._followers[index].evict(can_evict)
@@ -189,6 +205,8 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
+        for outside in self._outside:
+            outside.pop(block_id, None)
 
     def _observe(self, block_id: BlockId, meta: BlockMeta, now: float, *, hit: bool) -> None:
         """One access of the stream: every shadow replays it, then the leader may change."""
@@ -197,6 +215,8 @@ class AdaptivePolicy(EvictionPolicy):
         self._weight /= self._decay  # a hit now weighs 1 / decay more than one an access ago
         weight = self._weight
         hits = [shadow.access(block_id, meta, now) for shadow in self._shadows]
+        if self.sample_rate == 1:
+            self._track_outside(block_id)
         hits.append(hit)  # the real cache is the last arm
         wins = self._wins
         if hits.count(hit) == len(hits):  # no arm differs: no evidence for a switch, only hit counts
@@ -215,6 +235,18 @@ class AdaptivePolicy(EvictionPolicy):
         if weight > _RESCALE_AT:
             self._rescale()
         self.leader = self._next_leader()
+
+    def _track_outside(self, block_id: BlockId) -> None:
+        """After every shadow replayed ``block_id``: which real resident blocks each one lacks."""
+        resident = self._meta
+        for shadow, outside in zip(self._shadows, self._outside, strict=True):
+            victim = shadow.last_victim
+            if victim is not None and victim in resident:
+                outside[victim] = None
+            if block_id in shadow.parent_of:
+                outside.pop(block_id, None)
+            else:  # the shadow had no room it could free
+                outside[block_id] = None
 
     def _next_leader(self) -> int:
         """The expert whose shadow beats both the leader's shadow and the real cache by the most."""
