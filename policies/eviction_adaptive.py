@@ -30,75 +30,17 @@ most ``max_shadow_blocks`` ids each whatever the capacity.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_lru import LRUPolicy
 from policies.eviction_prefix import PrefixAwarePolicy
+from policies.eviction_shadow import ARCShadow, LRUShadow, PolicyShadow, Shadow
 
 _EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, ARCPolicy, LRUPolicy)
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
 _RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
-
-
-@dataclass(slots=True)
-class _Shadow:
-    """One expert on an id-only prefix store of its own: what it would have hit running alone.
-
-    It keeps the owner's rules (a prompt's blocks are pinned while it runs, only leaves are evicted) so
-    that its score tracks the expert's own hit ratio, and counts prefix-usable hits only: a hit whose
-    parent was the previous access and was usable (owners report a prompt's blocks in order).
-    """
-
-    policy: EvictionPolicy
-    capacity_blocks: int
-    sampled: bool  # sees one id in ``sample_rate``: no chains to follow, every hit counts
-    parent_of: dict[BlockId, BlockId | None] = field(default_factory=dict)  # resident -> resident parent
-    num_children: dict[BlockId, int] = field(default_factory=dict)  # resident -> resident children
-    pinned: set[BlockId] = field(default_factory=set)  # blocks of the prompt being replayed
-    last_position: int = -1  # position of the previous access (a drop starts a new prompt)
-    last_usable: BlockId | None = None  # the previous access, if it was a usable hit
-
-    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
-        """Replay one access of the real cache's stream; True if it was a prefix-usable hit."""
-        if meta.position <= self.last_position:
-            self.pinned.clear()
-        self.last_position = meta.position
-        if block_id in self.parent_of:
-            usable = self.sampled or meta.position == 0 or meta.parent == self.last_usable
-            self.last_usable = block_id if usable else None
-            self.pinned.add(block_id)
-            self.policy.on_hit(block_id, now)
-            return usable
-        self.last_usable = None
-        self.policy.on_miss(block_id, now)
-        if len(self.parent_of) >= self.capacity_blocks:
-            victim = self.policy.evict(self._can_evict)
-            if victim is None:
-                return False
-            victim_parent = self.parent_of.pop(victim)
-            if victim_parent is not None:
-                left = self.num_children[victim_parent] - 1
-                if left:
-                    self.num_children[victim_parent] = left
-                else:
-                    del self.num_children[victim_parent]
-        parent = meta.parent if meta.parent in self.parent_of and not self.sampled else None
-        if parent is not None:
-            self.num_children[parent] = self.num_children.get(parent, 0) + 1
-        self.parent_of[block_id] = parent
-        self.pinned.add(block_id)
-        self.policy.on_insert(block_id, meta, now)
-        return False
-
-    def _can_evict(self, block_id: BlockId) -> bool:
-        return block_id not in self.pinned and block_id not in self.num_children
-
-    @property
-    def is_full(self) -> bool:
-        return len(self.parent_of) >= self.capacity_blocks
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -119,11 +61,11 @@ class AdaptivePolicy(EvictionPolicy):
         self.sample_rate = max(1, capacity // self.max_shadow_blocks)
         shadow_capacity = max(1, capacity // self.sample_rate)
         self._followers = [expert(capacity) for expert in _EXPERTS]
-        self._shadows = [
-            _Shadow(
-                policy=expert(shadow_capacity), capacity_blocks=shadow_capacity, sampled=self.sample_rate > 1
-            )
-            for expert in _EXPERTS
+        sampled = self.sample_rate > 1
+        self._shadows: list[Shadow] = [  # in the order of _EXPERTS
+            PolicyShadow(PrefixAwarePolicy(shadow_capacity), sampled=sampled),
+            ARCShadow(shadow_capacity, sampled=sampled),
+            LRUShadow(shadow_capacity, sampled=sampled),
         ]
         self._decay = 0.5 ** (1.0 / (self.half_life_factor * shadow_capacity))
         self.leader = self.initial_leader  # index into the experts, until the shadows show otherwise
