@@ -29,7 +29,7 @@ most ``max_shadow_blocks`` ids each whatever the capacity.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
@@ -99,6 +99,21 @@ class AdaptivePolicy(EvictionPolicy):
             follower.on_hit(block_id, now)
         self._observe(block_id, meta, now, hit=True)
 
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        meta_of = self._meta
+        known = [block_id for block_id in block_ids if block_id in meta_of]
+        if not known:
+            return
+        for follower in self._followers:
+            follower.on_hits(known, now)
+        if self.sample_rate > 1:
+            known = [block_id for block_id in known if not self._skips(block_id)]
+        metas = [meta_of[block_id] for block_id in known]
+        columns = [shadow.access_many(known, metas, now) for shadow in self._shadows]
+        tally = self._tally
+        for prefix_hit, arc_hit, lru_hit in zip(*columns, strict=True):
+            tally(prefix_hit, arc_hit, lru_hit, True)
+
     def on_remove(self, block_id: BlockId) -> None:
         self._forget(block_id)
         for follower in self._followers:
@@ -132,22 +147,35 @@ class AdaptivePolicy(EvictionPolicy):
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
 
+    def _skips(self, block_id: BlockId) -> bool:
+        """Whether sampled shadows leave this id out (they see one id in ``sample_rate``)."""
+        return bool((((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate)
+
     def _observe(self, block_id: BlockId, meta: BlockMeta, now: float, *, hit: bool) -> None:
         """One access of the stream: every shadow replays it, then the leader may change."""
-        if self.sample_rate > 1 and (((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate:
+        if self.sample_rate > 1 and self._skips(block_id):
             return
+        prefix, arc, lru = self._shadows
+        self._tally(
+            prefix.access(block_id, meta, now),
+            arc.access(block_id, meta, now),
+            lru.access(block_id, meta, now),
+            hit,
+        )
+
+    def _tally(self, prefix_hit: bool, arc_hit: bool, lru_hit: bool, hit: bool) -> None:
+        """Count one access's hits in the arms (the three shadows, then the real cache); maybe switch."""
         self._weight /= self._decay  # a hit now weighs 1 / decay more than one an access ago
         weight = self._weight
-        hits = [shadow.access(block_id, meta, now) for shadow in self._shadows]
-        hits.append(hit)  # the real cache is the last arm
         wins = self._wins
-        if hits.count(hit) == len(hits):  # no arm differs: no evidence for a switch, only hit counts
+        if prefix_hit is hit and arc_hit is hit and lru_hit is hit:  # no arm differs: only hit counts
             if hit:
                 for i, row in enumerate(wins):
                     row[i] += weight
             if weight > _RESCALE_AT:
                 self._rescale()
             return
+        hits = (prefix_hit, arc_hit, lru_hit, hit)
         for i, hit_i in enumerate(hits):
             if hit_i:
                 row = wins[i]

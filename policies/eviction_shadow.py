@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 
@@ -75,6 +76,11 @@ class Shadow:
         self.pinned.add(block_id)
         self._insert(block_id, meta, now)
         return False
+
+    def access_many(self, block_ids: Sequence[BlockId], metas: Sequence[BlockMeta], now: float) -> list[bool]:
+        """``access`` for each block in order; the list of its results."""
+        access = self.access
+        return [access(block_id, meta, now) for block_id, meta in zip(block_ids, metas, strict=True)]
 
     @property
     def is_full(self) -> bool:
