@@ -110,9 +110,24 @@ class AdaptivePolicy(EvictionPolicy):
             known = [block_id for block_id in known if not self._skips(block_id)]
         metas = [meta_of[block_id] for block_id in known]
         columns = [shadow.access_many(known, metas, now) for shadow in self._shadows]
-        tally = self._tally
+        row0, row1, row2, row3 = self._wins
+        decay, weight = self._decay, self._weight
         for prefix_hit, arc_hit, lru_hit in zip(*columns, strict=True):
-            tally(prefix_hit, arc_hit, lru_hit, True)
+            if prefix_hit and arc_hit and lru_hit:  # ``_tally``'s path where no arm differs, inlined
+                weight /= decay
+                row0[0] += weight
+                row1[1] += weight
+                row2[2] += weight
+                row3[3] += weight
+                if weight > _RESCALE_AT:
+                    self._weight = weight
+                    self._rescale()
+                    weight = self._weight
+            else:
+                self._weight = weight
+                self._tally(prefix_hit, arc_hit, lru_hit, True)
+                weight = self._weight
+        self._weight = weight
 
     def on_remove(self, block_id: BlockId) -> None:
         self._forget(block_id)

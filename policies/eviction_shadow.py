@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import ClassVar
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 
@@ -78,9 +79,37 @@ class Shadow:
         return False
 
     def access_many(self, block_ids: Sequence[BlockId], metas: Sequence[BlockMeta], now: float) -> list[bool]:
-        """``access`` for each block in order; the list of its results."""
-        access = self.access
-        return [access(block_id, meta, now) for block_id, meta in zip(block_ids, metas, strict=True)]
+        """``access`` for each block in order; the list of its results.
+
+        Runs of hits go to the order in one ``_hits`` call: a hit changes neither the residents nor
+        their tree, and the pinned set is read only by evictions, which come after the run is applied.
+        """
+        parent_of, pinned, sampled = self.parent_of, self.pinned, self.sampled
+        last_position, last_usable = self.last_position, self.last_usable
+        results: list[bool] = []
+        run: list[BlockId] = []
+        for block_id, meta in zip(block_ids, metas, strict=True):
+            if block_id not in parent_of:
+                if run:
+                    self._hits(run, now)
+                    run = []
+                self.last_position, self.last_usable = last_position, last_usable
+                results.append(self.access(block_id, meta, now))
+                last_position, last_usable = self.last_position, self.last_usable
+                continue
+            position = meta.position
+            if position <= last_position:
+                pinned.clear()
+            last_position = position
+            pinned.add(block_id)
+            run.append(block_id)
+            usable = sampled or position == 0 or meta.parent == last_usable
+            last_usable = block_id if usable else None
+            results.append(usable)
+        if run:
+            self._hits(run, now)
+        self.last_position, self.last_usable = last_position, last_usable
+        return results
 
     @property
     def is_full(self) -> bool:
@@ -90,6 +119,9 @@ class Shadow:
         return block_id not in self.pinned and block_id not in self.num_children
 
     def _hit(self, block_id: BlockId, now: float) -> None:
+        self._hits((block_id,), now)
+
+    def _hits(self, block_ids: Sequence[BlockId], now: float) -> None:
         raise NotImplementedError
 
     def _miss(self, block_id: BlockId, now: float) -> None:
@@ -117,6 +149,9 @@ class PolicyShadow(Shadow):
     def _hit(self, block_id: BlockId, now: float) -> None:
         self.policy.on_hit(block_id, now)
 
+    def _hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        self.policy.on_hits(block_ids, now)
+
     def _miss(self, block_id: BlockId, now: float) -> None:
         self.policy.on_miss(block_id, now)
 
@@ -138,6 +173,43 @@ class _LeafHeaps(Shadow):
         # lists[k]: resident id -> stamp of its latest access; ``LRUPolicy``'s order is ascending stamp
         self.lists: tuple[dict[BlockId, int], ...] = tuple({} for _ in range(num_lists))
         self.heaps: tuple[list[tuple[int, BlockId]], ...] = tuple([] for _ in range(num_lists))
+
+    hit_list: ClassVar[int] = 0  # the list a hit moves a block to (ARC: T2, leaving T1)
+
+    def access_many(self, block_ids: Sequence[BlockId], metas: Sequence[BlockMeta], now: float) -> list[bool]:
+        """``Shadow.access_many`` with a hit's move inlined: the hot path of a prompt's reused blocks."""
+        parent_of, pinned, sampled, num_children = (
+            self.parent_of,
+            self.pinned,
+            self.sampled,
+            self.num_children,
+        )
+        k, push = self.hit_list, self._push
+        order, leaving = self.lists[k], (self.lists[0] if k else None)
+        last_position, last_usable, clock = self.last_position, self.last_usable, self.clock
+        results: list[bool] = []
+        for block_id, meta in zip(block_ids, metas, strict=True):
+            if block_id not in parent_of:
+                self.last_position, self.last_usable, self.clock = last_position, last_usable, clock
+                results.append(self.access(block_id, meta, now))
+                last_position, last_usable, clock = self.last_position, self.last_usable, self.clock
+                continue
+            position = meta.position
+            if position <= last_position:
+                pinned.clear()
+            last_position = position
+            pinned.add(block_id)
+            if leaving is not None:
+                leaving.pop(block_id, None)
+            clock += 1
+            order[block_id] = clock
+            if block_id not in num_children:
+                push(k, clock, block_id)
+            usable = sampled or position == 0 or meta.parent == last_usable
+            last_usable = block_id if usable else None
+            results.append(usable)
+        self.last_position, self.last_usable, self.clock = last_position, last_usable, clock
+        return results
 
     def _touch(self, k: int, block_id: BlockId) -> None:
         """(Re)place ``block_id`` at the most recent end of list ``k``."""
@@ -207,6 +279,7 @@ class ARCShadow(_LeafHeaps):
     """``ARCPolicy`` on a shadow, step for step (see ``eviction_arc``): T1 is list 0, T2 list 1."""
 
     __slots__ = ("b1", "b2", "ghost_hit", "target_t1_blocks")
+    hit_list = 1
 
     def __init__(self, capacity_blocks: int, *, sampled: bool) -> None:
         super().__init__(capacity_blocks, sampled=sampled, num_lists=2)
