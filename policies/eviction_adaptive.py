@@ -140,14 +140,15 @@ class AdaptivePolicy(EvictionPolicy):
             follower.on_evicted(block_id)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
-        order = [self.leader, *(i for i in range(len(self._followers)) if i != self.leader)]
+        followers = self._followers
+        order = (self.leader, *(i for i in range(len(followers)) if i != self.leader))
         for index in order:  # the others only when the leader has no evictable block
-            victim = self._followers[index].evict(can_evict)
+            victim = followers[index].evict(can_evict)
             if victim is not None:
-                self._forget(victim)
-                for other, follower in enumerate(self._followers):
+                self._meta.pop(victim, None)
+                for other in order:
                     if other != index:
-                        follower.on_evicted(victim)
+                        followers[other].on_evicted(victim)
                 return victim
         return None
 

@@ -119,20 +119,21 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._rank(block_id, block)
 
     def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
-        blocks, num_blocks = self._blocks, self._num_blocks
+        blocks, num_blocks, clock = self._blocks, self._num_blocks, self._clock
         for block_id in block_ids:
             block = blocks.get(block_id)
             if block is None:
                 continue
-            self._clock += 1
+            clock += 1
             block.num_accesses += 1
-            block.last_clock = self._clock
+            block.last_clock = clock
             if block.segment == PROBATION:
                 num_blocks[PROBATION] -= 1
                 num_blocks[PROTECTED] += 1
                 block.segment = PROTECTED
             if block.num_children == 0:
                 self._push_leaf(block_id, block)
+        self._clock = clock
 
     def on_remove(self, block_id: BlockId) -> None:
         if block_id in self._blocks:
