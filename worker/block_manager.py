@@ -171,6 +171,7 @@ class BlockManager:
         # In prompt order, root first, as every owner reports a prompt's blocks: the adaptive default's
         # shadows count a hit as prefix-usable only when its parent was the access before it (reported
         # deepest first, none was, and the default never left its first expert in the worker).
+        hit_ids: list[BlockId] = []
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.block_hash is not None, "only cached blocks are shared"
@@ -178,7 +179,8 @@ class BlockManager:
             block.ref_count += 1
             if not was_pinned:
                 self._pin_changed(block, pinned=True)
-            self.policy.on_hit(content_id(block.block_hash), now)
+            hit_ids.append(content_id(block.block_hash))
+        self.policy.on_hits(hit_ids, now)  # one call per request: the default's bookkeeping is batched
 
     def allocate(self, namespace_id: str = "", *, ignore_reservations: bool = False) -> int:
         """A fresh private block with ``ref_count == 1``, evicting a cached block if none is free.

@@ -121,8 +121,8 @@ def test_hits_are_reported_to_the_policy_in_prompt_order():
     ids = cache_chain(bm, ["r0", "r1", "r2"])
     bm.release(ids)
     seen: list[int] = []
-    on_hit = bm.policy.on_hit
-    bm.policy.on_hit = lambda block_id, now: (seen.append(block_id), on_hit(block_id, now))
+    on_hits = bm.policy.on_hits  # one call per request (issue 14: the default's bookkeeping is batched)
+    bm.policy.on_hits = lambda block_ids, now: (seen.extend(block_ids), on_hits(block_ids, now))
     bm.acquire(ids)
     assert seen == [content_id(h(name)) for name in ["r0", "r1", "r2"]]
 
