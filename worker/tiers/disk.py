@@ -209,10 +209,19 @@ class DiskTier:
                     self.counters["corrupt_deleted_total"] += 1
                     continue
                 found.append((path, header, size))
-        for path, header, size in _parents_first(found):
-            self._register(path, header.namespace_id, header.blocks, size)
-        self.counters["files_recovered_total"] = len(self.files)
-        self._make_room(0, writer="")  # restarted with a smaller budget than the files found
+        # Announced once trimmed to the budget: a disk found fuller than a smaller new budget used to be
+        # announced whole, then its evictions, a batch the gateway's index refused as hostile.
+        events, self.events = self.events, None
+        try:
+            for path, header, size in _parents_first(found):
+                self._register(path, header.namespace_id, header.blocks, size)
+            self.counters["files_recovered_total"] = len(self.files)
+            self._make_room(0, writer="")  # restarted with a smaller budget than the files found
+        finally:
+            self.events = events
+        if events is not None:
+            for info in self.files.values():  # parents first, as registered
+                events.stored(info.namespace_id, info.records)
 
     # ---- index ---------------------------------------------------------------------------------
     def _register(self, path: Path, namespace_id: str, records: Sequence[BlockRecord], size: int) -> None:
