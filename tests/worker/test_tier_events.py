@@ -14,7 +14,7 @@ from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1
 from worker.engine import Engine
 from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
 from worker.tiers.disk import DiskTier
-from worker.tiers.entry import BlockRecord
+from worker.tiers.entry import BlockRecord, encode_entry
 from worker.tiers.host import DemotedBlock
 from worker.tiers.remote import RemoteTier
 
@@ -174,6 +174,36 @@ def test_a_disk_restarted_with_a_smaller_budget_announces_only_the_files_it_keep
     index = PrefixIndex()
     index.apply("http://w", _batch(log, 0, capacity))  # before: refused as "more blocks than its tiers hold"
     assert set(index.workers["http://w"].blocks) == set(after.index)
+
+
+def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
+    log = KVEventLog()
+    remote = RemoteTier(
+        kv_redis_url,
+        fingerprint=b"no-blocks!" * 4,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        budget_bytes=1 << 20,
+        ttl_s=60,
+        timeout_s=1.0,
+        events=TierEvents(log, "remote"),
+    )
+    (block,) = _blocks("t-a", 1, 1)
+    key = remote.key("t-a", block.record.block_hash)
+    empty = encode_entry(
+        fingerprint=remote.fingerprint,
+        namespace_id="t-a",
+        codec="none",
+        dtype="float32",
+        block_shape=SHAPE,
+        blocks=[],
+        payloads=[],
+    )  # a valid header checksum over a header that lists no block
+    remote.client.set(key, empty)
+    # Before: IndexError out of get_run (the prefetch that asked failed, not a miss).
+    assert remote.get_run(["t-a"], [block.record.block_hash], [block.record.token_ids]) == ([], None)
+    assert remote.counters["corrupt_deleted_total"] == 1 and not remote.client.exists(key)
 
 
 def test_redis_events_name_written_evicted_and_purged_blocks(kv_redis_url):
