@@ -30,6 +30,7 @@ from gateway.pipeline import new_request_id as new_completion_id
 from gateway.ratelimit import requests_key
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
+from gateway.slow_clients import ClientStream
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -309,13 +310,14 @@ async def _stream(
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
             with _formatting(call):
                 first = writer.first()
             if first is not None:
-                await response.write(first)
+                await out.write(first)
             while item is not None:
                 index, event = item
                 if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
@@ -325,7 +327,7 @@ async def _stream(
                     with _formatting(call):
                         chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
                     if chunk:
-                        await response.write(chunk)
+                        await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
                 if event.get("type") == "final":
                     usages[index] = event.get("usage") or {}
@@ -334,15 +336,15 @@ async def _stream(
                     reason = event.get("finish_reason", "stop")
                     with _formatting(call):
                         chunk = writer.final(reason, usage if last else None, index)
-                    await response.write(chunk)
+                    await out.write(chunk)
                     call.delivered_tokens += held.pop(index, 0)
                     if last:  # every choice ended: the worker's usage is what was delivered
                         call.usage = usage
                 item = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.outcome = call.outcome or OUTCOME_SERVER_ERROR
-            await response.write(writer.error(exc.to_json(call.request_id)))
-        except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
+            await out.write(writer.error(exc.to_json(call.request_id)))
+        except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
             _cut(request, call)
             return response
         except asyncio.CancelledError:
@@ -350,8 +352,8 @@ async def _stream(
                 raise  # the client went away
             await _end_for_shutdown(call, response, writer)
             return response
-        await response.write(writer.done())
-        await response.write_eof()
+        await out.write(writer.done())
+        await out.write_eof()
     return response
 
 

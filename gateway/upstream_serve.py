@@ -29,6 +29,7 @@ from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.schemas import ChatRequest, CompletionRequest, read_json
+from gateway.slow_clients import ClientStream
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
@@ -336,11 +337,12 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
         response = await start_event_stream(request, _headers(call, forwarded))
         call.headers_sent = True
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
         try:
             while chunk is not None:
                 data = relay.chunk(chunk)
                 if data:
-                    await response.write(data)
+                    await out.write(data)
                 relay.sent()
                 chunk = await anext(events, None)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -348,11 +350,11 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
             raise
         except APIError as exc:
             call.outcome = OUTCOME_SERVER_ERROR
-            await response.write(ChunkWriter.error(exc.to_json(call.request_id)))
+            await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
         else:
             final = relay.finish()
             if final:
-                await response.write(final)
-        await response.write(ChunkWriter.done())
-        await response.write_eof()
+                await out.write(final)
+        await out.write(ChunkWriter.done())
+        await out.write_eof()
     return response
