@@ -28,8 +28,9 @@ from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
 from gateway.ratelimit import requests_key
+from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
-from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
+from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from gateway.slow_clients import ClientStream
 from gateway.state import (
     ADMISSION,
@@ -249,9 +250,9 @@ def _served_model(request: web.Request, model_id: str) -> str:
 
 
 async def _serve(
-    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
+    request: web.Request, call: TenantCall, body: ParsedBody, formatter: Formatter
 ) -> web.StreamResponse:
-    pipeline = request.config_dict[PIPELINE]
+    pipeline, parsed = request.config_dict[PIPELINE], body.request
     call.model, call.end_user = _served_model(request, parsed.model), parsed.user
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
     call.admission_slots = await admit_choices(  # n choices count n requests (gateway/admission.py)
@@ -263,7 +264,7 @@ async def _serve(
     )
     upstream = request.config_dict[UPSTREAMS].upstream_for(parsed.model)
     if upstream is not None:  # an external OpenAI-compatible upstream (gateway.upstream_serve)
-        forwarded = await upstream_serve.prepare(request, call, parsed, upstream)
+        forwarded = await upstream_serve.prepare(request, call, parsed, upstream, body.raw)
         await check_token_limit(request, call, forwarded.num_limit_tokens)
         return await upstream_serve.respond(request, call, forwarded)
     parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
@@ -374,14 +375,14 @@ async def _end_for_shutdown(
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with tenant_call(request, "chat.completions") as call:
-        parsed = parse_chat(await read_json(await request.read()))
-        return await _serve(request, call, parsed, openai_format.chat_completion)
+        body = await read_request(request, call.tenant.tenant_id, parse_chat)
+        return await _serve(request, call, body, openai_format.chat_completion)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     async with tenant_call(request, "completions") as call:
-        parsed = parse_completion(await read_json(await request.read()))
-        return await _serve(request, call, parsed, openai_format.completion)
+        body = await read_request(request, call.tenant.tenant_id, parse_completion)
+        return await _serve(request, call, body, openai_format.completion)
 
 
 async def prompt_lint(request: web.Request) -> web.Response:
@@ -394,7 +395,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)
     try:
         headers = await check_rate_limit(request, tenant)
-        parsed = parse_chat(await read_json(await request.read()))
+        parsed = (await read_request(request, tenant.tenant_id, parse_chat)).request
         pipeline = request.config_dict[PIPELINE]
         if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
             message = (

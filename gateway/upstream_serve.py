@@ -28,7 +28,7 @@ from gateway.billing import TenantCall
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
-from gateway.schemas import ChatRequest, CompletionRequest, read_json
+from gateway.schemas import ChatRequest, CompletionRequest
 from gateway.slow_clients import ClientStream
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
@@ -124,9 +124,14 @@ def _body(
 
 
 async def prepare(
-    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, upstream: OpenAIUpstream
+    request: web.Request,
+    call: TenantCall,
+    parsed: ChatRequest | CompletionRequest,
+    upstream: OpenAIUpstream,
+    raw: dict[str, Any],
 ) -> ForwardedRequest:
-    """Checks, canonicalization, isolation and route of a request for ``upstream``."""
+    """Checks, canonicalization, isolation and route of a request for ``upstream``; ``raw`` is its
+    body as sent (``parsed`` from it)."""
     app = request.config_dict
     config, pipeline = app[CONFIG], app[PIPELINE]
     num_chars, param = _num_prompt_chars(parsed)
@@ -151,7 +156,6 @@ async def prepare(
     head = _prompt_head(parsed, config.affinity_blocks * 64)
     route = app[UPSTREAMS].route(parsed.model, affinity_key(namespace_key, head, parsed.prompt_cache_key))
     isolation = upstream.isolation_fields(namespace_key, parsed.prompt_cache_key)
-    raw = await read_json(await request.read())
     num_prompt_estimate = -(-num_chars // CHARS_PER_TOKEN_ESTIMATE)
     num_new = (max_tokens or config.default_max_tokens) * parsed.sampling.n
     chat = isinstance(parsed, ChatRequest)
