@@ -17,6 +17,9 @@ from gateway.json_body import MAX_JSON_DEPTH, read_json  # noqa: F401 - re-expor
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.structured_output import response_format_grammar
 
+# top_p 0 (OpenAI: the most likely token) as sent on: the worker, vLLM and SGLang take (0, 1], and a
+# nucleus this small is that one token (the most likely has at least 1 / vocabulary of the mass).
+SMALLEST_TOP_P = 1e-9
 MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -212,7 +215,7 @@ def _common(
     sampling = SamplingParams(
         max_tokens=_max_tokens(body, max_token_names),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or SMALLEST_TOP_P,
         top_k=top_k,
         seed=seed,
         stop=_stop(body),

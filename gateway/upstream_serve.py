@@ -107,6 +107,8 @@ def _body(
         if key in names and key not in CLIENT_ISOLATION_FIELDS and key not in PRIVATE_FIELDS
     }
     body["model"] = route.model
+    if body.get("top_p") == 0:  # vLLM and SGLang refuse 0: the same nucleus of one token
+        body["top_p"] = request.sampling.top_p
     if isinstance(request, ChatRequest):
         body["messages"] = list(request.messages)
         if request.tools:
