@@ -86,8 +86,8 @@ def loads_without_gc(body: bytes) -> Any:
 
 
 async def read_json(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or an ``InvalidRequest`` (400). On the loop: for small bodies
-    (tenant bodies of any size go through ``gateway.request_body``)."""
+    """A request body as a JSON object, or an ``InvalidRequest`` (400), parsed on the loop: for the admin
+    API's small bodies (tenant bodies go through ``gateway.request_body``, large ones off the loop)."""
     return load_json(body)
 
 
