@@ -61,6 +61,12 @@ async def wait_for(condition, timeout_s: float = BOUND_S) -> bool:
     return True
 
 
+async def worker_busy(url: str) -> int:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/stats") as response:
+        stats = await response.json()
+    return stats["num_running"] + stats.get("num_waiting", 0)
+
+
 async def test_a_worker_stream_nobody_reads_is_cut_and_frees_its_slots(
     aiohttp_client, sqlite_url, tmp_path, worker_url
 ):
@@ -91,12 +97,6 @@ async def test_a_worker_stream_nobody_reads_is_cut_and_frees_its_slots(
         assert await worker_busy(worker_url) == 0, "the worker still generates the cut stream"
     assert [(row.status, row.outcome) for row in rows] == [(499, OUTCOME_CLIENT_CANCELLED)]
     assert rows[0].completion_tokens < 8 * 2000  # what reached the socket, not the whole answer
-
-
-async def worker_busy(url: str) -> int:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/stats") as response:
-        stats = await response.json()
-    return stats["num_running"] + stats.get("num_waiting", 0)
 
 
 def endless_upstream(closed: asyncio.Event) -> web.Application:
