@@ -28,7 +28,8 @@ from gateway.billing import TenantCall
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
-from gateway.schemas import ChatRequest, CompletionRequest, read_json
+from gateway.schemas import ChatRequest, CompletionRequest
+from gateway.slow_clients import ClientStream
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
@@ -106,6 +107,8 @@ def _body(
         if key in names and key not in CLIENT_ISOLATION_FIELDS and key not in PRIVATE_FIELDS
     }
     body["model"] = route.model
+    if body.get("top_p") == 0:  # vLLM and SGLang refuse 0: the same nucleus of one token
+        body["top_p"] = request.sampling.top_p
     if isinstance(request, ChatRequest):
         body["messages"] = list(request.messages)
         if request.tools:
@@ -123,9 +126,14 @@ def _body(
 
 
 async def prepare(
-    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, upstream: OpenAIUpstream
+    request: web.Request,
+    call: TenantCall,
+    parsed: ChatRequest | CompletionRequest,
+    upstream: OpenAIUpstream,
+    raw: dict[str, Any],
 ) -> ForwardedRequest:
-    """Checks, canonicalization, isolation and route of a request for ``upstream``."""
+    """Checks, canonicalization, isolation and route of a request for ``upstream``; ``raw`` is its
+    body as sent (``parsed`` from it)."""
     app = request.config_dict
     config, pipeline = app[CONFIG], app[PIPELINE]
     num_chars, param = _num_prompt_chars(parsed)
@@ -150,7 +158,6 @@ async def prepare(
     head = _prompt_head(parsed, config.affinity_blocks * 64)
     route = app[UPSTREAMS].route(parsed.model, affinity_key(namespace_key, head, parsed.prompt_cache_key))
     isolation = upstream.isolation_fields(namespace_key, parsed.prompt_cache_key)
-    raw = await read_json(await request.read())
     num_prompt_estimate = -(-num_chars // CHARS_PER_TOKEN_ESTIMATE)
     num_new = (max_tokens or config.default_max_tokens) * parsed.sampling.n
     chat = isinstance(parsed, ChatRequest)
@@ -336,11 +343,12 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
         response = await start_event_stream(request, _headers(call, forwarded))
         call.headers_sent = True
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
         try:
             while chunk is not None:
                 data = relay.chunk(chunk)
                 if data:
-                    await response.write(data)
+                    await out.write(data)
                 relay.sent()
                 chunk = await anext(events, None)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -348,11 +356,11 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
             raise
         except APIError as exc:
             call.outcome = OUTCOME_SERVER_ERROR
-            await response.write(ChunkWriter.error(exc.to_json(call.request_id)))
+            await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
         else:
             final = relay.finish()
             if final:
-                await response.write(final)
-        await response.write(ChunkWriter.done())
-        await response.write_eof()
+                await out.write(final)
+        await out.write(ChunkWriter.done())
+        await out.write_eof()
     return response
