@@ -209,9 +209,12 @@ class Engine:
         *,
         use_cache: bool = True,
         matcher: Any = None,
+        owner: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
         ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given).
+        ``owner``: the tenant tag the gateway names (its prefetch lane and budget share; default the
+        namespace of the prompt's private tail).
 
         Raises:
             RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
@@ -233,6 +236,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
             matcher=matcher,
+            owner=owner,
             in_waiting_queue=True,
         )
         self._handles[request_id] = handle

@@ -76,7 +76,7 @@ def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fin
     namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
     num_l1 = len(pool.match_prefix(seq.block_hashes, token_blocks))
     plan = store.plan_prefetch(
-        seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1, owner=seq.namespace_id
+        seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1, owner=seq.tenant_tag
     )
     if plan is not None:
         seq.prefetching = True

@@ -4,6 +4,8 @@ waiting requests prefetched stays within the L2 budget."""
 import asyncio
 import threading
 
+import pytest
+
 from policies.hashing import NamespaceSegment
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
@@ -30,13 +32,24 @@ def test_fair_queue_serves_namespaces_in_turn_and_each_in_order():
     assert queue.get() is None  # closed: what was queued is dropped
 
 
+GLOBAL = [NamespaceSegment(start_token=0, namespace_id="global", key=b"the-global-pool!" * 2)]
+
+
+@pytest.mark.parametrize(
+    ("a_segs", "b_segs", "a_owner", "b_owner"),
+    [(A, B, "", ""), (GLOBAL, GLOBAL, "t-a", "t-b")],
+    ids=["namespace-tenants", "shared-tenants"],
+)
 async def test_one_tenants_cold_burst_does_not_queue_another_behind_its_redis_reads(
-    make_engine, kv_redis_url
+    make_engine, kv_redis_url, a_segs, b_segs, a_owner, b_owner
 ):
     """Every cold request asks Redis (0.2 s a reply through the link: a hit, not a fault). Before, B's one
     read waited behind all of A's burst (one FIFO for everyone): B finished after nearly all of A's. The
     Redis timeout is raised well past the link's delay: what is measured is the queue, and the default 250 ms
-    left 50 ms of margin, which a loaded CI machine overran once (errors_total 1)."""
+    left 50 ms of margin, which a loaded CI machine overran once (errors_total 1).
+
+    shared-tenants: two ``shared`` tenants hash in the one global namespace; the lanes were namespaces, so
+    B still waited behind A's whole burst. The lane is now the owner the gateway names on the request."""
     port = int(kv_redis_url.split(":")[2].split("/")[0])
     db = kv_redis_url.rsplit("/", 1)[1]
     link = SlowLink(port, delay_s=0.2)
@@ -50,13 +63,16 @@ async def test_one_tenants_cold_burst_does_not_queue_another_behind_its_redis_re
         )
         finished: list[str] = []
 
-        async def request(rid: str, prompt: list[int], segs) -> None:
-            await run(engine, rid, prompt, segs=segs, params=greedy(2))
+        async def request(rid: str, prompt: list[int], segs, owner: str) -> None:
+            await run(engine, rid, prompt, segs=segs, params=greedy(2), owner=owner)
             finished.append(rid)
 
-        flood = [asyncio.create_task(request(f"a{i}", prompt_of(1000 + i, 48), A)) for i in range(burst)]
+        flood = [
+            asyncio.create_task(request(f"a{i}", prompt_of(1000 + i, 48), a_segs, a_owner))
+            for i in range(burst)
+        ]
         await asyncio.sleep(0.05)  # A's prefetches are queued
-        await request("b", prompt_of(501, 48), B)
+        await request("b", prompt_of(501, 48), b_segs, b_owner)
         a_before_b = finished.index("b")
         await asyncio.gather(*flood)
         errors = engine.stats()["tiers"]["remote"].get("errors_total", 0)

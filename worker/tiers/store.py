@@ -72,7 +72,7 @@ class PrefetchPlan:
     disk_blocks: int = 0
     use_remote: bool = False
     staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
-    owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
+    owner: str = ""  # tenant tag of the request: prefetches queue per owner, owners are served in turn
 
 
 @dataclass(slots=True)
@@ -84,7 +84,7 @@ class PrefetchResult:
     namespace_ids: list[str]
     data: torch.Tensor | None
     staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
-    owner: str = ""  # namespace of the request (whose share of the budget ``staged_bytes`` is)
+    owner: str = ""  # tenant tag of the request (whose share of the budget ``staged_bytes`` is)
 
     def head(self, num_blocks: int) -> PrefetchResult:
         """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
@@ -179,8 +179,8 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
-        # Host bytes reserved for prefetches in flight and held by waiting requests, per namespace (its
-        # fair share; engine thread only).
+        # Host bytes reserved for prefetches in flight and held by waiting requests, per owner (tenant
+        # tag: its fair share; engine thread only).
         self.staged_by_owner: dict[str, int] = {}
         self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
         self.hits = dict.fromkeys(SOURCES, 0)
@@ -273,8 +273,10 @@ class TieredStore:
         num_l1: int,
         owner: str = "",
     ) -> PrefetchPlan | None:
-        """What to fetch for a new request of namespace ``owner`` whose first ``num_l1`` blocks are in L1
-        (None: nothing). A namespace holds at most its share of the budget (``_prefetch_room``)."""
+        """What to fetch for a new request of tenant ``owner`` whose first ``num_l1`` blocks are in L1
+        (None: nothing). An owner holds at most its share of the budget (``_prefetch_room``). The owner is
+        the tenant tag the gateway names, not the blocks' namespace: ``shared`` tenants all hash in the
+        global namespace, and one of them must not take the others' share or lane."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
         plan = PrefetchPlan(
             request_id=request_id,
@@ -312,8 +314,8 @@ class TieredStore:
         return plan
 
     def _prefetch_room(self, owner: str) -> int:
-        """Bytes ``owner`` may stage now. With k namespaces staging (``owner`` included) each holds at most
-        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of a namespace
+        """Bytes ``owner`` may stage now. With k owners staging (``owner`` included) each holds at most
+        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of an owner
         that stages nothing yet, so a newcomer always finds room while the earlier ones keep theirs."""
         budget, held = self.config.prefetch_bytes, self.staged_by_owner.get(owner, 0)
         staging = len(self.staged_by_owner) + (0 if held else 1)
@@ -326,7 +328,7 @@ class TieredStore:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of the prefetch budget reserved now, all namespaces together."""
+        """Bytes of the prefetch budget reserved now, all owners together."""
         return sum(self.staged_by_owner.values())
 
     def _stage(self, owner: str, num_bytes: int) -> None:
