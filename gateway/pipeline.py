@@ -398,7 +398,9 @@ class RequestPipeline:
             return self._router.choose(route_request)
         worker_url, hold_s = choose_and_hold(route_request)
         if hold_s > 0:
-            await self._prefix_index.wait_stored(worker_url, route_request.head_block, hold_s)
+            leader_of = getattr(self._router, "leader_of", None)
+            leader_id = leader_of(route_request) if leader_of is not None else ""
+            await self._prefix_index.wait_stored(worker_url, route_request.head_block, hold_s, leader_id)
         return worker_url
 
     def abandon(self, route_request: RouteRequest | None) -> None:
@@ -410,7 +412,8 @@ class RequestPipeline:
             return
         url = drop_placement(route_request)
         if url is not None and self._prefix_index is not None and route_request.head_block is not None:
-            self._prefix_index.release(url, route_request.head_block)
+            # Only this leader's followers: another leader may be computing the same block there.
+            self._prefix_index.release(url, route_request.head_block, route_request.request_id)
 
     async def prepare(
         self,
