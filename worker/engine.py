@@ -23,7 +23,14 @@ from policies.hashing import NamespaceKey, NamespaceSegment
 from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
-from worker.engine_tiers import close_store, finish_prefetch, make_store, purge_remote, start_prefetch
+from worker.engine_tiers import (
+    close_store,
+    finish_prefetch,
+    make_store,
+    purge_remote,
+    resume_prefetches,
+    start_prefetch,
+)
 from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
@@ -344,6 +351,8 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
+                if self.store is not None:  # budget given back since: waiting requests' cut prefetches
+                    resume_prefetches(self.store, self.block_manager, self.scheduler.waiting)
                 try:
                     idle = not self._step()
                 except Exception as exc:  # a bug must fail requests, never kill the worker

@@ -76,6 +76,7 @@ class Sequence:
     in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
     purge_tag: int = 0  # worker.purge_fence tag at arrival: blocks of a namespace purged since are dropped
     owner: str = ""  # the tenant tag the gateway names (``shared`` tenants share a namespace, not a tag)
+    prefetch_resume_at: int | None = None  # first block its prefetch left for want of budget: planned again
 
     @property
     def namespace_id(self) -> str:

@@ -250,3 +250,58 @@ async def test_a_request_whose_failure_cleanup_fails_gives_its_prefetch_budget_b
         await asyncio.sleep(0.01)
     assert "doomed" not in engine._sequences
     assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_blocks_skipped_for_want_of_budget_are_prefetched_once_it_comes_back(
+    make_engine, tmp_path, monkeypatch
+):
+    """A prefetch cut to the owner's share of the budget (or not made at all: the share was taken) was
+    never planned again: the requests waiting behind recomputed their blocks on disk although the budget
+    came back long before their turn ([8, 0, 0, 0] blocks from disk). Now a waiting request's skipped
+    blocks are planned again as soon as its owner has room, and read while it still waits. (Not every
+    one gets them: the lone owner's share is 8 blocks, one request's worth at a time, and a request whose
+    blocks are being read lets the next one be admitted first: [8, 8, 0, 8] in one run.)"""
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)  # a lone owner may stage 8 blocks
+    c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
+    prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
+    for i, p in enumerate(prompts):
+        await run(engine, f"fill-{i}", p, segs=A, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=c, params=greedy(300)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    waiting = [
+        asyncio.create_task(run(engine, f"w{i}", p, segs=A, params=greedy(1))) for i, p in enumerate(prompts)
+    ]
+    await hog
+    results = await asyncio.gather(*waiting)
+    from_l3 = [u["cached_tokens_by_source"].get("l3", 0) // 16 for _, u, _ in results]
+    assert from_l3[0] >= 8 and sum(blocks >= 8 for blocks in from_l3) >= 2, from_l3
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_a_resumed_prefetch_continues_the_run_the_request_holds(make_engine, tmp_path, monkeypatch):
+    """The owner's 8-block share: ``small`` holds 4 of it, so ``big``'s prefetch is cut after 4 of its
+    10 blocks on disk. Once ``small`` is loaded its 4 come back, and ``big``'s next 4 are read and joined
+    to the run it holds: 8 blocks from disk, where it had 4 (the rest was recomputed)."""
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)
+    c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
+    small, big = prompt_of(301, 80), prompt_of(302, 160)  # 5 blocks (4 to fetch: one is computed), 10
+    await run(engine, "fill-small", small, segs=A, params=greedy(1))
+    await run(engine, "fill-big", big, segs=A, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=c, params=greedy(300)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    first = asyncio.create_task(run(engine, "small", small[:64], segs=A, params=greedy(1)))
+    await asyncio.sleep(0.2)  # its 4 blocks are held before the big one arrives
+    second = asyncio.create_task(run(engine, "big", big, segs=A, params=greedy(1)))
+    await hog
+    (_, small_usage, _), (_, big_usage, _) = await asyncio.gather(first, second)
+    assert small_usage["cached_tokens_by_source"].get("l3", 0) == 3 * 16, small_usage
+    assert big_usage["cached_tokens_by_source"].get("l3", 0) >= 8 * 16, big_usage
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0

@@ -73,6 +73,7 @@ class PrefetchPlan:
     use_remote: bool = False
     staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
     owner: str = ""  # tenant tag of the request: prefetches queue per owner, owners are served in turn
+    resume_at: int | None = None  # first block of the chain the budget cut off (None: none), planned later
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class PrefetchResult:
     data: torch.Tensor | None
     staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
     owner: str = ""  # tenant tag of the request (whose share of the budget ``staged_bytes`` is)
+    resume_at: int | None = None  # the plan's: where the chain continues once budget comes back
 
     def head(self, num_blocks: int) -> PrefetchResult:
         """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
@@ -97,6 +99,25 @@ class PrefetchResult:
             data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
             staged_bytes=self.staged_bytes,
             owner=self.owner,
+        )
+
+    def extend(self, more: PrefetchResult) -> PrefetchResult:
+        """This run followed by ``more``, which continues it (one run, as the scheduler loads it)."""
+        assert more.start == self.start + len(self.records)
+        if self.data is None or more.data is None:
+            data = more.data if self.data is None else self.data
+        else:
+            data = torch.cat([self.data, more.data])
+        return PrefetchResult(
+            request_id=self.request_id,
+            start=self.start,
+            records=self.records + more.records,
+            sources=self.sources + more.sources,
+            namespace_ids=self.namespace_ids + more.namespace_ids,
+            data=data,
+            staged_bytes=self.staged_bytes + more.staged_bytes,
+            owner=self.owner,
+            resume_at=more.resume_at,
         )
 
 
@@ -272,12 +293,16 @@ class TieredStore:
         namespace_ids: Sequence[str],
         num_l1: int,
         owner: str = "",
-    ) -> PrefetchPlan | None:
-        """What to fetch for a new request of tenant ``owner`` whose first ``num_l1`` blocks are in L1
-        (None: nothing). An owner holds at most its share of the budget (``_prefetch_room``). The owner is
-        the tenant tag the gateway names, not the blocks' namespace: ``shared`` tenants all hash in the
-        global namespace, and one of them must not take the others' share or lane."""
+        from_block: int = 0,
+    ) -> tuple[PrefetchPlan | None, int | None]:
+        """What to fetch for a request of tenant ``owner`` whose first ``num_l1`` blocks are in L1, from
+        block ``from_block`` on at the earliest (what it holds already); returns (the plan or None:
+        nothing; the first block the budget cut off or None, to plan again once there is room). An
+        owner holds at most its share of the budget (``_prefetch_room``). The owner is the tenant tag the
+        gateway names, not the blocks' namespace: ``shared`` tenants all hash in the global namespace,
+        and one of them must not take the others' share or lane."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
+        start = max(start, from_block)
         plan = PrefetchPlan(
             request_id=request_id,
             start=start,
@@ -287,16 +312,17 @@ class TieredStore:
             owner=owner,
         )
         room = self._prefetch_room(owner) // self.bytes_per_block
-        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
+        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: later, or recompute
             self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
+            plan.resume_at = start + room
         if not plan.hashes:
-            return None
+            return None, plan.resume_at
         if self.disk is not None:
             found = self.disk.match(plan.hashes, plan.token_blocks)
             if found and not self.worth_loading("l3", len(found)):
                 self.gated["l3"] += len(found)
-                return None
+                return None, None
             for file_id, position in found:
                 last = plan.disk_reads[-1] if plan.disk_reads else None
                 if last is not None and last[0] == file_id and last[1][-1] + 1 == position:
@@ -308,10 +334,16 @@ class TieredStore:
             self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
         )
         if not plan.disk_blocks and not plan.use_remote:
-            return None
+            return None, None
+        if plan.disk_blocks < len(plan.hashes) and not plan.use_remote:
+            plan.resume_at = None  # the chain ends on disk before the cut: nothing after it to fetch
         plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
         self._stage(owner, plan.staged_bytes)
-        return plan
+        return plan, plan.resume_at
+
+    def has_prefetch_room(self, owner: str) -> bool:
+        """Whether ``owner`` may stage a block now (a cut plan is worth planning again)."""
+        return self._prefetch_room(owner) >= self.bytes_per_block
 
     def _prefetch_room(self, owner: str) -> int:
         """Bytes ``owner`` may stage now. With k owners staging (``owner`` included) each holds at most
@@ -398,6 +430,7 @@ class TieredStore:
             data=data,
             staged_bytes=plan.staged_bytes,
             owner=plan.owner,
+            resume_at=plan.resume_at,
         )
         self._post(("prefetched", result))
 
