@@ -70,7 +70,7 @@ def make_store(
 def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fingerprint: bytes) -> None:
     """Look the prompt up in every tier now; fetch what only disk or Redis hold while it waits."""
     seq.block_hashes = block_hashes(seq.prompt_token_ids, pool.block_size, fingerprint, seq.segments)
-    _prefetch(store, pool, seq, from_block=0)
+    _prefetch(store, pool, seq, from_block=None)
 
 
 def resume_prefetches(store: TieredStore, pool: BlockManager, waiting: Iterable[Sequence]) -> None:
@@ -86,7 +86,7 @@ def resume_prefetches(store: TieredStore, pool: BlockManager, waiting: Iterable[
             _prefetch(store, pool, seq, from_block=seq.prefetch_resume_at)
 
 
-def _prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, from_block: int) -> None:
+def _prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, from_block: int | None) -> None:
     bs = pool.block_size
     tokens = seq.prompt_token_ids
     token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]

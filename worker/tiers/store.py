@@ -203,7 +203,7 @@ class TieredStore:
         # Host bytes reserved for prefetches in flight and held by waiting requests, per owner (tenant
         # tag: its fair share; engine thread only).
         self.staged_by_owner: dict[str, int] = {}
-        self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
+        self.prefetch_skipped_blocks = 0  # cut from arrivals' prefetches by the budget (some read later)
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
         self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
@@ -293,16 +293,16 @@ class TieredStore:
         namespace_ids: Sequence[str],
         num_l1: int,
         owner: str = "",
-        from_block: int = 0,
+        from_block: int | None = None,
     ) -> tuple[PrefetchPlan | None, int | None]:
         """What to fetch for a request of tenant ``owner`` whose first ``num_l1`` blocks are in L1, from
-        block ``from_block`` on at the earliest (what it holds already); returns (the plan or None:
-        nothing; the first block the budget cut off or None, to plan again once there is room). An
-        owner holds at most its share of the budget (``_prefetch_room``). The owner is the tenant tag the
-        gateway names, not the blocks' namespace: ``shared`` tenants all hash in the global namespace,
-        and one of them must not take the others' share or lane."""
+        block ``from_block`` on at the earliest (a plan resumed: what it holds already); returns (the
+        plan or None: nothing; the first block the budget cut off or None, to plan again once there is
+        room). An owner holds at most its share of the budget (``_prefetch_room``). The owner is the
+        tenant tag the gateway names, not the blocks' namespace: ``shared`` tenants all hash in the
+        global namespace, and one of them must not take the others' share or lane."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
-        start = max(start, from_block)
+        start = max(start, from_block or 0)
         plan = PrefetchPlan(
             request_id=request_id,
             start=start,
@@ -313,7 +313,8 @@ class TieredStore:
         )
         room = self._prefetch_room(owner) // self.bytes_per_block
         if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: later, or recompute
-            self.prefetch_skipped_blocks += len(plan.hashes) - room
+            if from_block is None:  # counted once, when the request arrives (a resumed plan reads some)
+                self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
             plan.resume_at = start + room
         if not plan.hashes:
