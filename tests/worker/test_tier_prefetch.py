@@ -148,21 +148,27 @@ def _budget_engine(make_engine, tmp_path, monkeypatch):
     return engine
 
 
+@pytest.mark.parametrize(
+    ("a_segs", "b_segs", "a_owner", "b_owner"),
+    [(A, B, "", ""), (GLOBAL, GLOBAL, "t-a", "t-b")],
+    ids=["namespace-tenants", "shared-tenants"],
+)
 async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
-    make_engine, tmp_path, monkeypatch
+    make_engine, tmp_path, monkeypatch, a_segs, b_segs, a_owner, b_owner
 ):
     """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
     waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
     10 blocks on disk recomputed). Now one namespace alone may hold at most half the budget (and a second
-    one a third, r5)."""
+    one a third, r5). shared-tenants: two ``shared`` tenants (one global namespace) were one owner, so B
+    found A's half taken and got nothing; the share is now the tenant's the gateway names."""
     block_bytes = BUDGET_TEST_BLOCK_BYTES
     engine = _budget_engine(make_engine, tmp_path, monkeypatch)
     c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
     b_prompt = prompt_of(777, 160)
     for i, p in enumerate(a_prompts):
-        await run(engine, f"fill-a{i}", p, segs=A, params=greedy(1))
-    await run(engine, "fill-b", b_prompt, segs=B, params=greedy(1))
+        await run(engine, f"fill-a{i}", p, segs=a_segs, params=greedy(1))
+    await run(engine, "fill-b", b_prompt, segs=b_segs, params=greedy(1))
     for i in range(4):  # push them out of L1 and L2, onto disk
         await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
     engine.store.wait_for_writes()
@@ -170,12 +176,12 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
     while not engine.stats()["num_running"]:
         await asyncio.sleep(0.01)
     burst = [
-        asyncio.create_task(run(engine, f"a{i}", p, segs=A, params=greedy(1)))
+        asyncio.create_task(run(engine, f"a{i}", p, segs=a_segs, params=greedy(1), owner=a_owner))
         for i, p in enumerate(a_prompts)
     ]
     await asyncio.sleep(0.3)  # A's prefetches landed and are held by its waiting requests
     staged_by_a = engine.stats()["tiers"]["prefetch"]["staged_bytes"]
-    b = asyncio.create_task(run(engine, "b", b_prompt, segs=B, params=greedy(1)))
+    b = asyncio.create_task(run(engine, "b", b_prompt, segs=b_segs, params=greedy(1), owner=b_owner))
     await hog
     _, b_usage, _ = await b
     a_results = await asyncio.gather(*burst)
