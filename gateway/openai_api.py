@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
-from gateway.ratelimit import requests_key
+from gateway.ratelimit import requests_key, tokens_key
 from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -158,7 +158,9 @@ async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[s
 async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
     """Count a request's tokens (prompt + n × max_tokens) against the tenant's tokens per minute."""
     limit = call.tenant.rate_limit_tpm
-    decision = await request.config_dict[RATE_LIMITER].check(f"t:{call.tenant.tenant_id}", limit, num_tokens)
+    decision = await request.config_dict[RATE_LIMITER].check(
+        tokens_key(call.tenant.tenant_id), limit, num_tokens
+    )
     call.rate_headers.update(decision.headers("tokens"))
     if not decision.allowed:
         too_big = limit is not None and num_tokens > limit

@@ -8,7 +8,9 @@ hot-prefix counters), so a hung Redis costs one short timeout per pause, not one
 
 Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report. ``refund``
 gives back units counted for a request that was refused later (a request with ``n`` choices counts one
-request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing).
+request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing), or that a
+check over-estimated; ``charge`` counts units a check under-estimated (an external upstream's prompt is
+checked at characters / 4, then corrected with the tokens the upstream reports: gateway.upstream_serve).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class RateLimiter(Protocol):
         """Give back ``cost`` units counted by an allowed ``check`` of ``key`` (never below zero)."""
         ...
 
+    async def charge(self, key: str, cost: int) -> None:
+        """Count ``cost`` more units for ``key`` without refusing (past the limit too): what an allowed
+        request used beyond its check. The requests that follow are refused on them."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -107,6 +114,11 @@ class LocalRateLimiter:
             self._used[key] -= taken
             if units > taken:
                 hits.append((at, units - taken))
+
+    async def charge(self, key: str, cost: int) -> None:
+        if cost > 0:
+            self._hits.setdefault(key, deque()).append((time.monotonic(), cost))
+            self._used[key] = self._used.get(key, 0) + cost
 
     async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
         return self.check_at(key, limit_per_window, cost, time.monotonic())
@@ -174,6 +186,22 @@ class RedisRateLimiter:
             log.warning("rate limiter: Redis unavailable, refund of %d for %s lost: %s", cost, key, exc)
             self._paused_until = time.monotonic() + self._pause_s
 
+    async def charge(self, key: str, cost: int) -> None:
+        if cost <= 0:
+            return
+        if self.paused:
+            await self._fallback.charge(key, cost)
+            return
+        redis_key = f"{self._prefix}:{key}:{int(time.time() // WINDOW_S)}"
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                await pipe.incrby(redis_key, cost).expire(redis_key, int(2 * WINDOW_S)).execute()
+        except Exception as exc:  # counted here, for the pause (the other replicas do not see it)
+            self.num_errors += 1
+            log.warning("rate limiter: Redis unavailable, limiting locally for %.0fs: %s", self._pause_s, exc)
+            self._paused_until = time.monotonic() + self._pause_s
+            await self._fallback.charge(key, cost)
+
     async def close(self) -> None:
         await self._redis.aclose()
 
@@ -189,6 +217,11 @@ return used
 def requests_key(tenant_id: str) -> str:
     """The limiter key of a tenant's requests per minute."""
     return f"r:{tenant_id}"
+
+
+def tokens_key(tenant_id: str) -> str:
+    """The limiter key of a tenant's tokens per minute."""
+    return f"t:{tenant_id}"
 
 
 def format_reset(reset_s: float) -> str:

@@ -166,6 +166,8 @@ class UsageRecord(Base):
     cost_cached_input: Mapped[float] = mapped_column(Float, default=0.0)
     cost_output: Mapped[float] = mapped_column(Float, default=0.0)
     cost_total: Mapped[float] = mapped_column(Float, default=0.0)
+    # False: the tokens were used but nothing was delivered (format_error): kept to be seen, cost 0.
+    billable: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping
 

@@ -29,6 +29,7 @@ GRANULARITY_HOURS = {"hour": 1, "day": 24}
 _FETCH_CHUNK_ROWS = 500
 REPORT_MAX_ROWS = 10_000  # the most rows one page of the usage report holds (one row per group and period)
 _COSTS = ("cost_uncached_input", "cost_cached_input", "cost_output", "cost_total")
+_UNBILLED = ("unbilled_requests", "unbilled_prompt_tokens", "unbilled_completion_tokens")
 _SUMMED = (
     "prompt_tokens",
     "cached_tokens",
@@ -73,6 +74,10 @@ class ReportRow:
     cost_output: float
     cost_total: float
     saved_cost: float  # what the cached tokens would have cost more at the uncached input price
+    # Of the requests and tokens above, those not billable (format_error: used, nothing delivered, cost 0).
+    unbilled_requests: int
+    unbilled_prompt_tokens: int
+    unbilled_completion_tokens: int
 
 
 def _hour(moment: datetime) -> int:
@@ -97,6 +102,11 @@ def _sums() -> list[ColumnElement]:
         func.sum(case((u.outcome.in_(CANCELLED_OUTCOMES), 1), else_=0)).label("cancelled"),
         *(func.coalesce(func.sum(getattr(u, name)), 0).label(name) for name in _SUMMED),
         func.coalesce(func.sum(saved), 0).label("saved_cost"),
+        func.sum(case((u.billable.is_(False), 1), else_=0)).label("unbilled_requests"),
+        func.sum(case((u.billable.is_(False), u.prompt_tokens), else_=0)).label("unbilled_prompt_tokens"),
+        func.sum(case((u.billable.is_(False), u.completion_tokens), else_=0)).label(
+            "unbilled_completion_tokens"
+        ),
     ]
 
 
@@ -230,6 +240,7 @@ async def usage_totals(
         "saved_prefill_s": float(record.saved_prefill_ms) / 1000,
         **{name: float(getattr(record, name)) for name in _COSTS},
         "saved_cost": float(record.saved_cost),
+        **{name: int(getattr(record, name) or 0) for name in _UNBILLED},
     }
     return _rounded_totals(totals)
 
@@ -262,6 +273,7 @@ def _report_row(record: Any, by_end_user: bool) -> ReportRow:
         cost_output=round(float(record.cost_output), 9),
         cost_total=round(float(record.cost_total), 9),
         saved_cost=round(float(record.saved_cost), 9),
+        **{name: int(getattr(record, name) or 0) for name in _UNBILLED},
     )
 
 
@@ -292,6 +304,7 @@ EXPORT_FIELDS = (
     "cost_cached_input",
     "cost_output",
     "cost_total",
+    "billable",
 )
 
 
@@ -402,6 +415,7 @@ def report_totals(rows: list[ReportRow]) -> dict[str, float | int]:
         "cost_output",
         "cost_total",
         "saved_cost",
+        *_UNBILLED,
     ]
     return _rounded_totals({key: sum(getattr(row, key) for row in rows) for key in keys})
 

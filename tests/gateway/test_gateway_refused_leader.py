@@ -73,6 +73,55 @@ async def test_followers_waiting_for_a_dropped_leader_are_released_at_once():
     elsewhere.cancel()
 
 
+async def test_a_dropped_leader_releases_only_its_own_followers():
+    """Two leaders placed the same head block on one worker: tenant A's prompt under its
+    ``prompt_cache_key`` and tenant B's (``shared`` tenants hash a common prompt alike; another cache key
+    is another placement). B's follower waits for B's prefill. Before, A's refusal released every waiter
+    of that (worker, block): B's follower went at once and computed the prefix a second time beside B's
+    leader. Now it keeps waiting for B, and is released by B's own refusal or the block's arrival."""
+    import aiohttp
+
+    from gateway.pipeline import RequestPipeline
+    from gateway.workers import WorkerPool
+
+    router = KVAwareRouter(leader_hold_s=30.0)
+    index = PrefixIndex()
+    session = aiohttp.ClientSession()
+    pipeline = RequestPipeline(
+        pool=WorkerPool(URLS[:1], session),
+        router=router,
+        salt=b"salt",
+        default_max_tokens=16,
+        affinity_blocks=4,
+        prefix_index=index,
+    )
+    calm = [WorkerLoad(url=URLS[0], in_flight=0)]
+
+    def request(affinity: bytes, request_id: str) -> RouteRequest:
+        return RouteRequest(
+            affinity_key=affinity,
+            candidates=calm,
+            num_prompt_tokens=160,
+            head_block=b"h" * 32,
+            request_id=request_id,
+        )
+
+    a_leader, b_leader = request(b"a" * 16, "a-leader"), request(b"b" * 16, "b-leader")
+    assert await pipeline.choose_worker(a_leader) == URLS[0]  # cold: placed, no wait
+    assert await pipeline.choose_worker(b_leader) == URLS[0]
+    a_follower = asyncio.ensure_future(pipeline.choose_worker(request(b"a" * 16, "a-follower")))
+    b_follower = asyncio.ensure_future(pipeline.choose_worker(request(b"b" * 16, "b-follower")))
+    await asyncio.sleep(0.05)
+    assert not a_follower.done() and not b_follower.done()  # both wait for their leader's prefill
+    pipeline.abandon(a_leader)  # A refused (tokens per minute, the worker's 4xx) or failed
+    assert await asyncio.wait_for(a_follower, 5) == URLS[0]  # its own follower goes at once
+    await asyncio.sleep(0.05)
+    assert not b_follower.done()  # B's leader is still computing the head there
+    pipeline.abandon(b_leader)
+    assert await asyncio.wait_for(b_follower, 5) == URLS[0]
+    await session.close()
+
+
 async def _victim_latency(sdk: AsyncOpenAI, prompt: list[int]) -> float:
     started = time.perf_counter()
     await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)

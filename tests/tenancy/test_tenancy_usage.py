@@ -346,3 +346,35 @@ async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db
         with pytest.raises(ValueError):
             await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
     await engine.dispose()
+
+
+async def test_unbilled_records_are_stored_and_told_apart_in_report_and_export(db_url):
+    """``billable`` was only in the spool: a format_error record's tokens (kept at cost 0) reached the
+    table, report and export like billed ones, and billing could not tell them apart."""
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    prices = Prices(input_per_mtok=3.0, cached_input_per_mtok=0.5, output_per_mtok=7.0)
+    await insert_usage(
+        sessionmaker,
+        [
+            event("billed", prices=prices),
+            event("unbilled", outcome="format_error", status=500, prices=prices, billable=False),
+        ],
+    )
+    async with sessionmaker() as session:
+        stored = dict((await session.execute(select(UsageRecord.request_id, UsageRecord.billable))).all())
+    assert stored == {"billed": True, "unbilled": False}
+    exported = {row["request_id"]: row for row in (await export_requests(sessionmaker)).data}
+    assert (exported["billed"]["billable"], exported["unbilled"]["billable"]) == (True, False)
+    assert exported["unbilled"]["prompt_tokens"] == 100 and exported["unbilled"]["cost_total"] == 0.0
+    [row] = await usage_report(sessionmaker)
+    assert (row.requests, row.unbilled_requests) == (2, 1)
+    assert (row.prompt_tokens, row.unbilled_prompt_tokens) == (200, 100)
+    assert (row.completion_tokens, row.unbilled_completion_tokens) == (20, 10)
+    assert row.cost_total == pytest.approx(event("x", prices=prices).cost.total)
+    totals = await usage_totals(sessionmaker)
+    assert totals == pytest.approx(report_totals([row]))
+    assert (totals["unbilled_requests"], totals["unbilled_prompt_tokens"]) == (1, 100)
+    header = report_to_csv([row]).splitlines()[0].split(",")
+    assert {"unbilled_requests", "unbilled_prompt_tokens", "unbilled_completion_tokens"} <= set(header)
+    await engine.dispose()
