@@ -141,7 +141,25 @@ def parse_report_cursor(cursor: str, by_end_user: bool) -> list[Any]:
         raise ValueError("not a report cursor")
     if not 0 <= values[0] < 2**31 or any(values[i] not in (0, 1) for i in range(3, len(values), 2)):
         raise ValueError("cursor out of range")
+    u = UsageRecord
+    texts = zip(
+        [values[1], values[2], *values[4::2]], (u.tenant_id, u.model, u.key_id, u.end_user), strict=False
+    )
+    if not all(_sendable(text, column.type.length) for text, column in texts):
+        raise ValueError("cursor out of range")
     return values
+
+
+def _sendable(text: str, max_chars: int) -> bool:
+    """Whether a cursor string fits its column and every driver can send it: no NUL (PostgreSQL text
+    refuses it) and nothing that does not encode to UTF-8 (a lone surrogate from a JSON escape)."""
+    if len(text) > max_chars or "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def usage_report_page(
@@ -345,8 +363,10 @@ def parse_cursor(cursor: str | None) -> int:
     """The row id in a cursor; ValueError if it is not one of ours."""
     if not cursor:
         return 0
+    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 19):  # int() takes +5, 1_000, ５
+        raise ValueError("not a cursor")
     value = int(cursor)
-    if not 0 <= value < 2**63:  # a row id is a BIGINT
+    if not value < 2**63:  # a row id is a BIGINT
         raise ValueError("cursor out of range")
     return value
 

@@ -1,4 +1,5 @@
 import asyncio
+import base64
 import json
 import time
 from datetime import UTC, datetime, timedelta
@@ -12,6 +13,7 @@ from tenancy.db import create_engine, create_sessionmaker
 from tenancy.models import UsageRecord
 from tenancy.reports import (
     export_requests,
+    parse_cursor,
     report_to_csv,
     report_totals,
     usage_report,
@@ -345,4 +347,40 @@ async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db
     for bad in ("abc", "WzFd", "W251bGxd"):
         with pytest.raises(ValueError):
             await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
+    await engine.dispose()
+
+
+def _report_cursor(values: list) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
+
+
+async def test_a_tampered_cursor_is_refused_not_sent_to_the_database(db_url):
+    """A report cursor is base64 JSON the client can forge: strings a driver cannot send (a NUL, which
+    PostgreSQL text refuses; a lone surrogate, which does not encode to UTF-8) or longer than their
+    column are refused before the query (they were a 500, review r6 #4). The export cursor is ASCII
+    digits only (``int`` also took ``+5``, ``1_000`` and full-width digits)."""
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    await insert_usage(sessionmaker, [event("r1", prices=DEFAULTS)])
+    good = [1, "tn_a", "m", 1, "key_1", 1, "user"]
+    for bad in (
+        [1, "\u0000", "m", 0, "", 0, ""],
+        [1, "tn_a", "\ud800", 0, "", 0, ""],
+        [1, "tn_a", "m", 1, "\ud800key", 0, ""],
+        [1, "tn_a", "m", 0, "", 1, "u\u0000"],
+        [1, "t" * 41, "m", 0, "", 0, ""],
+        [1, "tn_a", "m" * 201, 0, "", 0, ""],
+        [1, "tn_a", "m", 1, "k" * 41, 0, ""],
+        [1, "tn_a", "m", 0, "", 1, "u" * 201],
+    ):
+        with pytest.raises(ValueError):
+            await usage_report_page(sessionmaker, by_end_user=True, cursor=_report_cursor(bad), limit=3)
+    page = await usage_report_page(sessionmaker, by_end_user=True, cursor=_report_cursor(good), limit=3)
+    assert [row.tenant_id for row in page.rows] == ["tn_a"]  # a well-formed cursor still works
+    for bad in ("+5", "1_000", "\uff15", " 5", "5 ", "-0", "0x5", "\u0665", "9" * 5000):
+        with pytest.raises(ValueError):
+            parse_cursor(bad)
+        with pytest.raises(ValueError):
+            await export_requests(sessionmaker, cursor=bad)
+    assert parse_cursor("0") == 0 and parse_cursor("9223372036854775807") == 2**63 - 1
     await engine.dispose()
