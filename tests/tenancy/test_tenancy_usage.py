@@ -241,6 +241,52 @@ async def test_per_request_export_pages_with_a_cursor(sqlite_url):
     await engine.dispose()
 
 
+async def _follow_export(sessionmaker, cursor: str | None, wanted: int) -> tuple[list[str], str | None]:
+    """The request ids the export hands out after ``cursor`` until ``wanted`` came (or 10 s passed: a
+    write transaction of another test on the same PostgreSQL server holds pages back a moment)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(seen) < wanted and time.monotonic() < deadline:
+        page = await export_requests(sessionmaker, cursor=cursor)
+        seen += [row["request_id"] for row in page.data]
+        cursor = page.next_cursor
+        await asyncio.sleep(0 if page.data else 0.05)
+    return seen, cursor
+
+
+async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_url):
+    """PostgreSQL takes a row's id when it is inserted and shows the row when its transaction commits:
+    two replicas flushing at once (or a timed-out insert that commits later) commit out of id order.
+    A consumer following the cursor past a later id never saw the earlier one (review r6 #3). The
+    export now hands out records only below every write transaction still open, in the order of
+    their transactions, so it holds the later record back until the earlier one commits."""
+    engine = create_engine(pg_url)
+    sessionmaker = create_sessionmaker(engine)
+    async with sessionmaker() as slow:  # replica A: its insert took id 1, its commit is still to come
+        await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
+        await insert_usage(sessionmaker, [event("fast_b")])  # replica B: id 2, committed
+        early = await export_requests(sessionmaker)
+        assert early.data == [] and not early.has_more  # fast_b waits for slow_a's transaction
+        await slow.commit()
+    seen, cursor = await _follow_export(sessionmaker, early.next_cursor, 2)
+    assert seen == ["slow_a", "fast_b"]
+    # The other interleaving: C's transaction began writing before D took the lower id and committed
+    # late: C's record comes first (its transaction is older), D's once it commits, none is skipped.
+    async with sessionmaker() as older, sessionmaker() as later:
+        await older.execute(text("SELECT pg_current_xact_id()"))  # older's transaction id comes first
+        await later.execute(insert(UsageRecord).values(event("later_d").to_row()))
+        await older.execute(insert(UsageRecord).values(event("older_c").to_row()))
+        await older.commit()
+        seen, cursor = await _follow_export(sessionmaker, cursor, 1)
+        assert seen == ["older_c"]
+        await later.commit()
+    seen, cursor = await _follow_export(sessionmaker, cursor, 1)
+    assert seen == ["later_d"]
+    assert (await export_requests(sessionmaker, cursor=cursor)).data == []
+    assert (await _follow_export(sessionmaker, None, 4))[0] == ["slow_a", "fast_b", "older_c", "later_d"]
+    await engine.dispose()
+
+
 async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, tmp_path: Path):
     engine = create_engine(pg_url)
     sessionmaker = create_sessionmaker(engine)
@@ -306,50 +352,6 @@ def test_a_record_not_billable_keeps_its_tokens_at_no_cost_through_the_spool(tmp
     assert billed.billable and billed.to_row()["cost_total"] > 0
 
 
-async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db_url):
-    """The report was one unbounded answer (a row per end user per hour: 100,000 users, 56 MB). Pages
-    follow a cursor over the row order (keys that are NULL or empty included) and miss or repeat no
-    row; the totals are the whole report's, whichever page they come with."""
-    engine = create_engine(db_url)
-    sessionmaker = create_sessionmaker(engine)
-    hour = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
-    users = [None, "", *(f"u{i:02d}" for i in range(9))]
-    await insert_usage(
-        sessionmaker,
-        [
-            event(
-                f"p{i}",
-                key_id=(None, "key_1")[i % 2],
-                end_user=users[i % len(users)],
-                created_at=hour + timedelta(hours=i % 2),
-                prices=DEFAULTS,
-            )
-            for i in range(40)
-        ],
-    )
-    whole = await usage_report(sessionmaker, granularity="hour", by_end_user=True)
-    assert len(whole) > 20
-    pages, cursor = [], None
-    while True:
-        page = await usage_report_page(
-            sessionmaker, granularity="hour", by_end_user=True, cursor=cursor, limit=3
-        )
-        pages.append(page)
-        if not page.has_more:
-            break
-        cursor = page.next_cursor
-    assert [row for page in pages for row in page.rows] == whole
-    assert all(len(page.rows) == 3 for page in pages[:-1]) and pages[-1].next_cursor is None
-    totals = await usage_totals(sessionmaker)
-    assert totals == pytest.approx(report_totals(whole)) and totals["requests"] == 40
-    with pytest.raises(ValueError):  # a cursor of the other grouping is not one of this report's
-        await usage_report_page(sessionmaker, cursor=pages[0].next_cursor, limit=3)
-    for bad in ("abc", "WzFd", "W251bGxd"):
-        with pytest.raises(ValueError):
-            await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
-    await engine.dispose()
-
-
 def _report_cursor(values: list) -> str:
     return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
 
@@ -401,47 +403,45 @@ async def test_a_tampered_cursor_is_refused_not_sent_to_the_database(db_url):
     await engine.dispose()
 
 
-async def _follow_export(sessionmaker, cursor: str | None, wanted: int) -> tuple[list[str], str | None]:
-    """The request ids the export hands out after ``cursor`` until ``wanted`` came (or 10 s passed: a
-    write transaction of another test on the same PostgreSQL server holds pages back a moment)."""
-    seen: list[str] = []
-    deadline = time.monotonic() + 10
-    while len(seen) < wanted and time.monotonic() < deadline:
-        page = await export_requests(sessionmaker, cursor=cursor)
-        seen += [row["request_id"] for row in page.data]
-        cursor = page.next_cursor
-        await asyncio.sleep(0 if page.data else 0.05)
-    return seen, cursor
-
-
-async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_url):
-    """PostgreSQL takes a row's id when it is inserted and shows the row when its transaction commits:
-    two replicas flushing at once (or a timed-out insert that commits later) commit out of id order.
-    A consumer following the cursor past a later id never saw the earlier one (review r6 #3). The
-    export now hands out records only below every write transaction still open, in the order of
-    their transactions, so it holds the later record back until the earlier one commits."""
-    engine = create_engine(pg_url)
+async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db_url):
+    """The report was one unbounded answer (a row per end user per hour: 100,000 users, 56 MB). Pages
+    follow a cursor over the row order (keys that are NULL or empty included) and miss or repeat no
+    row; the totals are the whole report's, whichever page they come with."""
+    engine = create_engine(db_url)
     sessionmaker = create_sessionmaker(engine)
-    async with sessionmaker() as slow:  # replica A: its insert took id 1, its commit is still to come
-        await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
-        await insert_usage(sessionmaker, [event("fast_b")])  # replica B: id 2, committed
-        early = await export_requests(sessionmaker)
-        assert early.data == [] and not early.has_more  # fast_b waits for slow_a's transaction
-        await slow.commit()
-    seen, cursor = await _follow_export(sessionmaker, early.next_cursor, 2)
-    assert seen == ["slow_a", "fast_b"]
-    # The other interleaving: C's transaction began writing before D took the lower id and committed
-    # late: C's record comes first (its transaction is older), D's once it commits, none is skipped.
-    async with sessionmaker() as older, sessionmaker() as later:
-        await older.execute(text("SELECT pg_current_xact_id()"))  # older's transaction id comes first
-        await later.execute(insert(UsageRecord).values(event("later_d").to_row()))
-        await older.execute(insert(UsageRecord).values(event("older_c").to_row()))
-        await older.commit()
-        seen, cursor = await _follow_export(sessionmaker, cursor, 1)
-        assert seen == ["older_c"]
-        await later.commit()
-    seen, cursor = await _follow_export(sessionmaker, cursor, 1)
-    assert seen == ["later_d"]
-    assert (await export_requests(sessionmaker, cursor=cursor)).data == []
-    assert (await _follow_export(sessionmaker, None, 4))[0] == ["slow_a", "fast_b", "older_c", "later_d"]
+    hour = datetime(2026, 3, 1, 10, 30, tzinfo=UTC)
+    users = [None, "", *(f"u{i:02d}" for i in range(9))]
+    await insert_usage(
+        sessionmaker,
+        [
+            event(
+                f"p{i}",
+                key_id=(None, "key_1")[i % 2],
+                end_user=users[i % len(users)],
+                created_at=hour + timedelta(hours=i % 2),
+                prices=DEFAULTS,
+            )
+            for i in range(40)
+        ],
+    )
+    whole = await usage_report(sessionmaker, granularity="hour", by_end_user=True)
+    assert len(whole) > 20
+    pages, cursor = [], None
+    while True:
+        page = await usage_report_page(
+            sessionmaker, granularity="hour", by_end_user=True, cursor=cursor, limit=3
+        )
+        pages.append(page)
+        if not page.has_more:
+            break
+        cursor = page.next_cursor
+    assert [row for page in pages for row in page.rows] == whole
+    assert all(len(page.rows) == 3 for page in pages[:-1]) and pages[-1].next_cursor is None
+    totals = await usage_totals(sessionmaker)
+    assert totals == pytest.approx(report_totals(whole)) and totals["requests"] == 40
+    with pytest.raises(ValueError):  # a cursor of the other grouping is not one of this report's
+        await usage_report_page(sessionmaker, cursor=pages[0].next_cursor, limit=3)
+    for bad in ("abc", "WzFd", "W251bGxd"):
+        with pytest.raises(ValueError):
+            await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
     await engine.dispose()
