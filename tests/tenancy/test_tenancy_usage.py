@@ -287,6 +287,24 @@ async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_ur
     await engine.dispose()
 
 
+async def test_sqlite_serializes_writes_so_the_export_goes_in_id_order(sqlite_url):
+    """Why SQLite needs no transaction order (its records carry ``xact_id`` 0): a second writer waits for
+    the first one's commit before it takes an id, so ids commit in order and the cursor passes nothing."""
+    engine = create_engine(sqlite_url)
+    sessionmaker = create_sessionmaker(engine)
+    async with sessionmaker() as slow:
+        await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
+        fast = asyncio.create_task(insert_usage(sessionmaker, [event("fast_b")]))
+        await asyncio.sleep(0.3)
+        assert not fast.done()  # waits for slow's write lock (busy_timeout)
+        assert (await export_requests(sessionmaker)).data == []
+        await slow.commit()
+    await fast
+    page = await export_requests(sessionmaker)
+    assert [row["request_id"] for row in page.data] == ["slow_a", "fast_b"] and page.next_cursor == "2"
+    await engine.dispose()
+
+
 async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, tmp_path: Path):
     engine = create_engine(pg_url)
     sessionmaker = create_sessionmaker(engine)
