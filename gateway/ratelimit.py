@@ -2,9 +2,10 @@
 
 ``LocalRateLimiter`` counts in this process (a weighted sliding window): with several gateway replicas
 each one allows the full rate. ``RedisRateLimiter`` shares a fixed one-minute window between replicas
-through Redis (``INCRBY`` + ``EXPIRE`` in one round trip, only for tenants that have a limit). While
-Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an error (like the
-hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per request.
+through Redis (one Lua script that counts a check only if it fits: one round trip, only for tenants that
+have a limit). While Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an
+error (like the hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per
+request.
 
 Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report. ``refund``
 gives back units counted for a request that was refused later (a request with ``n`` choices counts one
@@ -158,11 +159,9 @@ class RedisRateLimiter:
         window = int(now // WINDOW_S)
         redis_key = f"{self._prefix}:{key}:{window}"
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                count, _ = await pipe.incrby(redis_key, cost).expire(redis_key, int(2 * WINDOW_S)).execute()
-            count = int(count)
-            if count > limit_per_window and cost > 1:
-                await self._redis.decrby(redis_key, cost)  # a refused request uses no tokens
+            count = int(
+                await self._redis.eval(_CHECK_LUA, 1, redis_key, cost, limit_per_window, int(2 * WINDOW_S))
+            )
         except Exception as exc:  # Redis down or hung: limit locally and leave Redis alone a while
             self.num_errors += 1
             log.warning("rate limiter: Redis unavailable, limiting locally for %.0fs: %s", self._pause_s, exc)
@@ -205,6 +204,18 @@ class RedisRateLimiter:
     async def close(self) -> None:
         await self._redis.aclose()
 
+
+# Counts ``cost`` only if it fits, in one atomic step: a refused check counts nothing, like the local
+# limiter's (review r6: a refused single unit kept counted refused a later request the limit allows), and
+# never shows an over-count to a concurrent check. Answers the count with this check's cost either way.
+_CHECK_LUA = """
+local cost = tonumber(ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used + cost > tonumber(ARGV[2]) then return used + cost end
+local count = redis.call('INCRBY', KEYS[1], cost)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return count
+"""
 
 _REFUND_LUA = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')

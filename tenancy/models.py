@@ -133,7 +133,9 @@ class UsageRecord(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_hour", "tenant_id", "created_hour"),
         Index("ix_usage_records_hour", "created_hour"),
-        Index("ix_usage_records_tenant_id_id", "tenant_id", "id"),  # per-request export cursor
+        # The per-request export's order and cursor, for all tenants and for one.
+        Index("ix_usage_records_xact_id", "xact_id", "id"),
+        Index("ix_usage_records_tenant_xact_id", "tenant_id", "xact_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(
@@ -170,6 +172,9 @@ class UsageRecord(Base):
     billable: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping
+    # The writing transaction's id, set by PostgreSQL (migration 0008; never sent): the export's order.
+    # 0 on SQLite, which serializes writes, and on rows older than 0008.
+    xact_id: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class NamespaceSecret(Base):

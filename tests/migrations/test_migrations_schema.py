@@ -14,7 +14,7 @@ from tenancy.db import create_engine
 from tenancy.models import Base
 from tests.tenancy.db_support import POSTGRES_ENV, _pg_admin, service_url
 
-HEAD = "0007"
+HEAD = "0008"
 
 
 def schema_diff(url: str) -> list:
