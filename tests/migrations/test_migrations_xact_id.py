@@ -27,13 +27,13 @@ def test_0008_records_carry_their_writing_transaction_on_postgres():
     asyncio.run(_pg_admin(base, f'CREATE DATABASE "{name}"'))
     url = make_url(base).set(database=name).render_as_string(hide_password=False)
     try:
-        upgrade_database(url, "0006")
+        upgrade_database(url, "0007")
         execute(url, _USAGE_ROW.format("before"))
         upgrade_database(url)
         rows = execute(url, _USAGE_ROW.format("after"), "SELECT pg_current_xact_id()::text::bigint")
         stamped = execute(url, "SELECT request_id, xact_id FROM usage_records ORDER BY id")
         assert stamped == [("before", 0), ("after", rows[0][0])]
-        command.downgrade(alembic_config(url), "0006")
+        command.downgrade(alembic_config(url), "0007")
         upgrade_database(url)
         assert schema_diff(url) == []
     finally:
