@@ -33,11 +33,14 @@ from collections.abc import Callable, Sequence
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+from policies.eviction_leaves import LeafARCPolicy, LeafLRUPolicy
 from policies.eviction_lru import LRUPolicy
 from policies.eviction_prefix import PrefixAwarePolicy
 from policies.eviction_shadow import ARCShadow, LRUShadow, PolicyShadow, Shadow
 
 _EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, ARCPolicy, LRUPolicy)
+# The same experts' victims behind an owner that evicts leaves only, without asking about inner blocks
+_LEAF_ONLY_EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, LeafARCPolicy, LeafLRUPolicy)
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
 _RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
@@ -80,6 +83,13 @@ class AdaptivePolicy(EvictionPolicy):
         return self._followers[self.leader].name
 
     # -- owner calls ---------------------------------------------------------------------------------
+
+    def declare_leaf_only(self) -> None:
+        """Follow with ``eviction_leaves``' LRU and ARC: the same victims, fewer ``can_evict`` calls."""
+        if self._meta:
+            raise RuntimeError("declare_leaf_only() comes before the first insert")
+        capacity = max(self.capacity_blocks, 1)
+        self._followers = [expert(capacity) for expert in _LEAF_ONLY_EXPERTS]
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         for follower in self._followers:
