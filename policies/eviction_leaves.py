@@ -44,6 +44,9 @@ class _LeafLists(EvictionPolicy):
         self._heaps: tuple[list[tuple[int, BlockId]], ...] = tuple([] for _ in range(self.num_lists))
         self._parent_of: dict[BlockId, BlockId | None] = {}  # tracked id -> its tracked parent
         self._num_children: dict[BlockId, int] = {}  # tracked id -> tracked children (absent: none)
+        # The block inserted last, not yet in its heap: (list, stamp, id). The worker inserts a prompt's
+        # new blocks root first with no eviction between, so its entry would most often only go stale.
+        self._unpushed: tuple[int, int, BlockId] | None = None
 
     def _link(self, block_id: BlockId, meta: BlockMeta) -> None:
         if block_id in self._parent_of:
@@ -51,6 +54,8 @@ class _LeafLists(EvictionPolicy):
         parent = meta.parent
         if parent is not None and parent in self._parent_of:
             self._num_children[parent] = self._num_children.get(parent, 0) + 1
+            if self._unpushed is not None and self._unpushed[2] == parent:
+                self._unpushed = None  # an inner block now: its entry would be stale
         else:
             parent = None
         self._parent_of[block_id] = parent
@@ -85,6 +90,23 @@ class _LeafLists(EvictionPolicy):
         if block_id not in self._num_children:
             self._push(k, self._clock, block_id)
 
+    def _insert_into(self, k: int, block_id: BlockId) -> None:
+        """Place a block just linked at the most recent end of list ``k``; its heap entry waits."""
+        if self._unpushed is not None:
+            self._push(*self._unpushed)
+        self._clock += 1
+        self._lists[k][block_id] = self._clock
+        self._unpushed = (k, self._clock, block_id) if block_id not in self._num_children else None
+
+    def _stamp(self, k: int, block_ids: Sequence[BlockId]) -> None:
+        """``_touch`` for each of ``block_ids`` (tracked, in order), in bulk."""
+        order, clock = self._lists[k], self._clock
+        order.update(zip(block_ids, range(clock + 1, clock + 1 + len(block_ids)), strict=True))
+        self._clock = clock + len(block_ids)
+        num_children = self._num_children
+        for block_id in [block_id for block_id in block_ids if block_id not in num_children]:
+            self._push(k, order[block_id], block_id)
+
     def _push(self, k: int, stamp: int, block_id: BlockId) -> None:
         heap = self._heaps[k]
         heapq.heappush(heap, (stamp, block_id))
@@ -95,6 +117,9 @@ class _LeafLists(EvictionPolicy):
 
     def _pop_first_evictable(self, k: int, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         """Remove and return list ``k``'s least recently used leaf that ``can_evict`` accepts."""
+        if self._unpushed is not None:
+            self._push(*self._unpushed)
+            self._unpushed = None
         heap, order, num_children = self._heaps[k], self._lists[k], self._num_children
         refused: list[tuple[int, BlockId]] = []
         victim = None
@@ -141,21 +166,14 @@ class LeafLRUPolicy(_LeafLists):
 
     def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         self._link(block_id, meta)
-        self._touch(0, block_id)
+        self._insert_into(0, block_id)
 
     def on_hit(self, block_id: BlockId, now: float) -> None:
         if block_id in self._parent_of:
             self._touch(0, block_id)
 
     def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
-        order, num_children, push, clock = self._lists[0], self._num_children, self._push, self._clock
-        for block_id in block_ids:
-            if block_id in order:
-                clock += 1
-                order[block_id] = clock
-                if block_id not in num_children:
-                    push(0, clock, block_id)
-        self._clock = clock
+        self._stamp(0, [block_id for block_id in block_ids if block_id in self._parent_of])
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         return self._pop_first_evictable(0, can_evict)
@@ -195,24 +213,19 @@ class LeafARCPolicy(_LeafLists):
         if self._ghost_hit is None or self._ghost_hit[0] != block_id:
             self.on_miss(block_id, now)  # the owner skipped on_miss: adapt now
         self._link(block_id, meta)
-        self._touch(1 if self._ghost_hit is not None else 0, block_id)
+        self._insert_into(1 if self._ghost_hit is not None else 0, block_id)
         self._ghost_hit = None
 
     def on_hit(self, block_id: BlockId, now: float) -> None:
         self.on_hits((block_id,), now)
 
     def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
-        t1, t2, num_children, push, clock = *self._lists, self._num_children, self._push, self._clock
-        for block_id in block_ids:
-            if block_id in t1:
+        tracked = [block_id for block_id in block_ids if block_id in self._parent_of]
+        t1 = self._lists[0]
+        if t1:
+            for block_id in t1.keys() & tracked:  # T1 -> T2
                 del t1[block_id]
-            elif block_id not in t2:
-                continue
-            clock += 1
-            t2[block_id] = clock
-            if block_id not in num_children:
-                push(1, clock, block_id)
-        self._clock = clock
+        self._stamp(1, tracked)
 
     def on_evicted(self, block_id: BlockId) -> None:
         k = self._drop(block_id)
