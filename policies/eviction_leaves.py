@@ -98,11 +98,21 @@ class _LeafLists(EvictionPolicy):
         self._lists[k][block_id] = self._clock
         self._unpushed = (k, self._clock, block_id) if block_id not in self._num_children else None
 
-    def _stamp(self, k: int, block_ids: Sequence[BlockId]) -> None:
-        """``_touch`` for each of ``block_ids`` (tracked, in order), in bulk."""
+    def _stamp(self, k: int, block_ids: Sequence[BlockId], *, num_joining: int = 0) -> None:
+        """``_touch`` for each tracked block of ``block_ids`` (in order), in bulk; the others are ignored.
+
+        ``num_joining`` of them were just taken out of another list to join list ``k``.
+        """
         order, clock = self._lists[k], self._clock
+        size = len(order)
         order.update(zip(block_ids, range(clock + 1, clock + 1 + len(block_ids)), strict=True))
         self._clock = clock + len(block_ids)
+        if len(order) != size + num_joining:  # untracked ids were added: take them out again
+            parent_of = self._parent_of
+            untracked = [block_id for block_id in order.keys() & block_ids if block_id not in parent_of]
+            for block_id in untracked:
+                del order[block_id]
+            block_ids = [block_id for block_id in block_ids if block_id in parent_of]
         num_children = self._num_children
         for block_id in [block_id for block_id in block_ids if block_id not in num_children]:
             self._push(k, order[block_id], block_id)
@@ -173,7 +183,7 @@ class LeafLRUPolicy(_LeafLists):
             self._touch(0, block_id)
 
     def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
-        self._stamp(0, [block_id for block_id in block_ids if block_id in self._parent_of])
+        self._stamp(0, block_ids)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         return self._pop_first_evictable(0, can_evict)
@@ -220,12 +230,13 @@ class LeafARCPolicy(_LeafLists):
         self.on_hits((block_id,), now)
 
     def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
-        tracked = [block_id for block_id in block_ids if block_id in self._parent_of]
-        t1 = self._lists[0]
+        t1, num_moved = self._lists[0], 0
         if t1:
-            for block_id in t1.keys() & tracked:  # T1 -> T2
+            moved = t1.keys() & block_ids  # T1 -> T2
+            for block_id in moved:
                 del t1[block_id]
-        self._stamp(1, tracked)
+            num_moved = len(moved)
+        self._stamp(1, block_ids, num_joining=num_moved)
 
     def on_evicted(self, block_id: BlockId) -> None:
         k = self._drop(block_id)

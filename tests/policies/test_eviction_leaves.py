@@ -71,8 +71,9 @@ def _drive(reference, leafy, *, capacity: int, seed: int, follower: bool) -> int
         for position in range(length):
             block_id = BlockId(doc * 100 + position + (step % 3 == 0) * 50 * (position > 3))
             if block_id in store.parent_of:
-                reference.on_hits([block_id], float(step))
-                leafy.on_hits([block_id], float(step))
+                hits = [block_id, BlockId(99_999)] if step % 5 == 0 else [block_id]  # untracked: ignored
+                reference.on_hits(hits, float(step))
+                leafy.on_hits(hits, float(step))
                 store.pinned.add(block_id)
                 parent = block_id
                 continue
