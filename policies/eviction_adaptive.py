@@ -119,23 +119,22 @@ class AdaptivePolicy(EvictionPolicy):
         if self.sample_rate > 1:
             known = [block_id for block_id in known if not self._skips(block_id)]
         metas = [meta_of[block_id] for block_id in known]
-        shadows = self._shadows
-        first, known_set = shadows[0], set(known)
-        if all(
-            shadow.last_position == first.last_position
-            and shadow.last_usable == first.last_usable
-            and shadow.holds_all(known_set)
-            for shadow in shadows
-        ):  # a prompt every expert kept (most hits): its prompt walk is the same in every shadow
-            walk = walk_hits(known, metas, first.last_position, first.last_usable, sampled=first.sampled)
-            for shadow in shadows:
+        # A shadow that holds the whole prompt (most do, most of the time) replays it in bulk; its prompt
+        # walk depends only on where the shadow's previous access left it, so it is shared.
+        known_set, walk, walk_start = set(known), None, None
+        columns: list[list[bool]] = []
+        for shadow in self._shadows:
+            start = (shadow.last_position, shadow.last_usable)
+            if (walk is None or start == walk_start) and shadow.holds_all(known_set):
+                if walk is None:
+                    walk, walk_start = walk_hits(known, metas, *start, sampled=shadow.sampled), start
                 shadow.hit_all(known, walk, now)
-            if all(walk.usable):
-                self._tally_all_hit(len(known))
-                return
-            columns = [walk.usable] * len(shadows)
-        else:
-            columns = [shadow.access_many(known, metas, now) for shadow in shadows]
+                columns.append(walk.usable)
+            else:
+                columns.append(shadow.access_many(known, metas, now))
+        if walk is not None and all(column is walk.usable for column in columns) and all(walk.usable):
+            self._tally_all_hit(len(known))
+            return
         row0, row1, row2, row3 = self._wins
         decay, weight = self._decay, self._weight
         for prefix_hit, arc_hit, lru_hit in zip(*columns, strict=True):
