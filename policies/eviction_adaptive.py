@@ -8,7 +8,9 @@ to follow from the accesses it sees:
 - **Shadows.** Each expert also runs on a shadow cache of the same capacity that holds ids only and sees
   every access (hits and misses of the real cache alike): what that expert would have hit alone.
 - **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader for the
-  victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists.
+  victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists. Behind an
+  owner that evicts leaves only (``declare_leaf_only``) the LRU and ARC followers are
+  ``eviction_leaves``' versions: the same victims, without asking about inner blocks.
 - **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
   they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
   every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead

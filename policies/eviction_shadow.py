@@ -11,6 +11,9 @@ inner blocks are the oldest). ``LRUShadow`` and ``ARCShadow`` make exactly the s
 ``LRUPolicy`` and ``ARCPolicy`` behind a leaf-only, unpinned ``can_evict``, but keep each list's
 *leaves* in a heap keyed by the access stamp that orders the list: the first evictable block of a list
 is its evictable leaf with the smallest stamp.
+
+A prompt's hits that a shadow holds whole (most of them) are applied in bulk (``hit_all``), with the
+prompt walk (``walk_hits``: usable flags, pins) computed once for every shadow that starts where it does.
 """
 
 from __future__ import annotations
