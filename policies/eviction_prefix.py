@@ -110,7 +110,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._blocks[block_id] = block
         self._num_blocks[segment] += 1
         if self._unranked is not None:
-            self._rank_unranked()
+            self._rank_unranked(self._unranked)
         self._unranked = block_id
 
     def on_hit(self, block_id: BlockId, now: float) -> None:
@@ -154,8 +154,9 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._remember_victim(block.segment, block_id)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
-        if self._unranked is not None and can_evict(self._unranked):  # else it cannot be the victim now
-            self._rank_unranked()
+        unranked = self._unranked
+        if unranked is not None and can_evict(unranked):  # else it cannot be the victim now
+            self._rank_unranked(unranked)
         over_target = self._num_blocks[PROBATION] > self.target_probation_blocks
         order = (PROBATION, PROTECTED) if over_target else (PROTECTED, PROBATION)
         for segment in order:
@@ -189,11 +190,12 @@ class PrefixAwarePolicy(EvictionPolicy):
         if len(recent) > self.probe_window:
             recent.popitem(last=False)
 
-    def _rank_unranked(self) -> None:
-        block_id, self._unranked = self._unranked, None
-        block = self._blocks[block_id]  # type: ignore[index]
+    def _rank_unranked(self, block_id: BlockId) -> None:
+        """Rank ``block_id``, the block inserted last (resident: leaving the cache unsets it)."""
+        self._unranked = None
+        block = self._blocks[block_id]
         if block.num_children == 0:
-            self._push_leaf(block_id, block)  # type: ignore[arg-type]
+            self._push_leaf(block_id, block)
 
     def _rank(self, block_id: BlockId, block: _Block) -> None:
         # Only leaves are ranked: an inner block's key is computed when it becomes a leaf (in
