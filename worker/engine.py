@@ -23,7 +23,14 @@ from policies.hashing import NamespaceKey, NamespaceSegment
 from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
-from worker.engine_tiers import close_store, finish_prefetch, make_store, purge_remote, start_prefetch
+from worker.engine_tiers import (
+    close_store,
+    finish_prefetch,
+    make_store,
+    purge_remote,
+    resume_prefetches,
+    start_prefetch,
+)
 from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
@@ -210,9 +217,12 @@ class Engine:
         *,
         use_cache: bool = True,
         matcher: Any = None,
+        owner: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
         ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given).
+        ``owner``: the tenant tag the gateway names (its prefetch lane and budget share; default the
+        namespace of the prompt's private tail).
 
         Raises:
             RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
@@ -234,6 +244,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
             matcher=matcher,
+            owner=owner,
             in_waiting_queue=True,
         )
         self._handles[request_id] = handle
@@ -342,6 +353,8 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
+                if self.store is not None:  # budget given back since: waiting requests' cut prefetches
+                    resume_prefetches(self.store, self.block_manager, self.scheduler.waiting)
                 try:
                     idle = not self._step()
                 except Exception as exc:  # a bug must fail requests, never kill the worker

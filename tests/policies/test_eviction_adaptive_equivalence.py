@@ -6,7 +6,7 @@ were recorded with the policy as of main at 08e0eb6 (before the cost work), and 
 prefix-aware expert alone, whose ranking and hits changed with it; any change of a decision,
 however small, changes a digest. The six unsampled ``_Recorded`` cases were re-recorded by evict7,
 whose change is meant to alter decisions (the real cache evicts first what the leader's shadow
-dropped): on evict7 before its merge with the cost work and after it, the same six digests. A change
+dropped): on evict7 before and after its merges with the cost work, the same six digests. A change
 that is meant to alter decisions re-records them with
 ``python -m tests.policies.test_eviction_adaptive_equivalence`` and says why in its commit.
 """
