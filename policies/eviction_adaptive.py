@@ -50,6 +50,7 @@ _LEAF_ONLY_EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, LeafA
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
 _RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
+_ALL_SHADOWS = (0, 1, 2)  # indices of the shadows, in the order of _EXPERTS
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -223,27 +224,30 @@ class AdaptivePolicy(EvictionPolicy):
             arc.access(block_id, meta, now),
             lru.access(block_id, meta, now),
         )
-        self._track_outside((block_id,), range(len(self._shadows)))
+        self._track_outside((block_id,), _ALL_SHADOWS)
         self._tally(*hits, hit)
 
     def _track_outside(self, block_ids: Sequence[BlockId], shadows: Iterable[int]) -> None:
         """After ``shadows`` (indices) replayed ``block_ids``: which real resident blocks each one lacks."""
-        resident = self._meta
+        resident, sampled = self._meta, self.sample_rate > 1
         for index in shadows:
-            shadow, outside = self._shadows[index], self._outside[index]
+            shadow = self._shadows[index]
             victims = shadow.victims
-            if self.sample_rate > 1:  # a sampled shadow's contents are not the real cache's
+            if sampled:  # a sampled shadow's contents are not the real cache's
                 victims.clear()
                 continue
-            for victim in victims:
-                if victim in resident:
-                    outside[victim] = None
-            victims.clear()
+            outside = self._outside[index]
+            if victims:
+                for victim in victims:
+                    if victim in resident:
+                        outside[victim] = None
+                victims.clear()
             held = shadow.parent_of
             for block_id in block_ids:
-                if block_id in held:
-                    outside.pop(block_id, None)
-                else:  # the shadow had no room it could free
+                if block_id in outside:
+                    if block_id in held:
+                        del outside[block_id]
+                elif block_id not in held:  # the shadow had no room it could free
                     outside[block_id] = None
 
     def _tally(self, prefix_hit: bool, arc_hit: bool, lru_hit: bool, hit: bool) -> None:
