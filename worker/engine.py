@@ -23,7 +23,14 @@ from policies.hashing import NamespaceKey, NamespaceSegment
 from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
-from worker.engine_tiers import close_store, finish_prefetch, make_store, purge_remote, start_prefetch
+from worker.engine_tiers import (
+    close_store,
+    finish_prefetch,
+    make_store,
+    purge_remote,
+    purge_stored,
+    start_prefetch,
+)
 from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
@@ -289,6 +296,8 @@ class Engine:
                 erased = await done
             except CommandFailed as exc:
                 erased, failed["local"] = {}, str(exc)
+            else:  # L3 and Redis off the engine thread: they wait for the writer, other tenants do not
+                await purge_stored(self.store, namespace_id, erased, failed)
             await purge_remote(self.store, namespace_id, erased, failed)
         finally:  # the fence holds until Redis is erased too: a prefetch reading it meanwhile is dropped
             self._post("purge_done", (namespace_id,))
