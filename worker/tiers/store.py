@@ -193,8 +193,10 @@ class TieredStore:
         self._write_generation = 0  # bumped by every purge (engine thread); queued chunks carry it
         # namespace -> write generation of its latest purge: the writer drops its blocks queued before
         self._purged_writes: dict[str, int] = {}
-        self._purged_lock = threading.Lock()  # guards ``_purged_writes`` (never held across I/O)
-        self._write_lock = threading.Lock()  # held by the writer for one chunk: filter, disk, Redis
+        # Guards ``_purged_writes`` and the chunk counts (never held across I/O); notified per chunk written.
+        self._chunk_written = threading.Condition()
+        self._num_chunks_taken = 0  # chunks the writer has filtered (the one being written included)
+        self._num_chunks_written = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
         self._writer.start()
         self._prefetches: FairQueue[PrefetchPlan] = FairQueue()
@@ -262,15 +264,17 @@ class TieredStore:
                 self._writes.task_done()
                 return
             try:
-                with self._write_lock:  # a purge's erase waits for this chunk (``purge_stored``)
-                    blocks = self._unpurged(*item)
-                    if blocks and self.disk is not None:
-                        self.disk.write(blocks)
-                    if blocks and self.remote is not None:
-                        self.remote.put(blocks)
+                blocks = self._unpurged(*item)
+                if blocks and self.disk is not None:
+                    self.disk.write(blocks)
+                if blocks and self.remote is not None:
+                    self.remote.put(blocks)
             except Exception:  # a failed write loses cache, never the worker
                 log.exception("demotion write failed")
             finally:
+                with self._chunk_written:  # a purge's erase may wait for this chunk (``purge_stored``)
+                    self._num_chunks_written += 1
+                    self._chunk_written.notify_all()
                 self._writes.task_done()
 
     def _unpurged(self, generation: int, blocks: list[DemotedBlock]) -> list[DemotedBlock]:
@@ -278,10 +282,11 @@ class TieredStore:
 
         Chunks are queued in generation order (engine thread), so once one of ``generation`` is taken no
         chunk queued before a purge of that generation or older is left: those purges are forgotten."""
-        with self._purged_lock:
+        with self._chunk_written:
             kept = [b for b in blocks if self._purged_writes.get(b.namespace_id, -1) <= generation]
             for namespace_id in [ns for ns, g in self._purged_writes.items() if g <= generation]:
                 del self._purged_writes[namespace_id]
+            self._num_chunks_taken += 1
         return kept
 
     # ---- prefetch (arrival) ------------------------------------------------------------------------
@@ -465,16 +470,18 @@ class TieredStore:
         L3 is ``purge_stored`` and Redis ``purge_remote``, off the engine thread, in that order."""
         if self.disk is not None or self.remote is not None:  # else nothing is ever queued
             self._write_generation += 1  # chunks queued from now on are not of the purge's past
-            with self._purged_lock:
+            with self._chunk_written:
                 self._purged_writes[namespace_id] = self._write_generation
         return {"l2": self.l2.purge(namespace_id)}
 
     def purge_stored(self, namespace_id: str) -> dict[str, int]:
         """Erase a namespace from L3 after ``purge_local`` (any thread): waits for the chunk being written
-        now, if any (it may hold the namespace's blocks); the chunks after it are filtered by the writer.
-        Call it before ``purge_remote``, which relies on the same wait."""
-        with self._write_lock:
-            return {} if self.disk is None else {"l3": self.disk.purge(namespace_id)}
+        now, if any (it may have been filtered before the purge); the chunks after it are filtered by the
+        writer, so the wait is one chunk at most. Call it before ``purge_remote``, which relies on it."""
+        with self._chunk_written:
+            taken = self._num_chunks_taken
+            self._chunk_written.wait_for(lambda: self._num_chunks_written >= taken)
+        return {} if self.disk is None else {"l3": self.disk.purge(namespace_id)}
 
     def purge_remote(self, namespace_id: str) -> int | None:
         """Erase a namespace from Redis (any thread; None without a remote tier).
