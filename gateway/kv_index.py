@@ -17,9 +17,10 @@ Memory is bounded. Redis expires blocks silently, so shared entries are kept in 
 announced and swept from the front once their TTL has passed; a tier's entries are capped at
 ``CAPACITY_SLACK`` times the blocks its budget holds (``remote_tier.capacity_blocks``), the oldest going
 first. A worker's own entries are capped the same way by what its tiers hold (``capacity_blocks`` in its
-batches: L1, L2, L3); a worker that announces more (broken or hostile) is refused like a malformed batch
-(``ValueError``: the consumer drops it from the index). Without a reported capacity the caps are
-``DEFAULT_MAX_BLOCKS``; a reported one is never trusted beyond ``MAX_BLOCKS``.
+batches: L1, L2, L3), on what each batch nets to (a restarted worker announces the files its disk holds,
+then the evictions down to its budget); a worker that announces more (broken or hostile) is refused like
+a malformed batch (``ValueError``: the consumer drops it from the index). Without a reported capacity
+the caps are ``DEFAULT_MAX_BLOCKS``; a reported one is never trusted beyond ``MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ def capacity_bound(capacity: Any) -> int:
     return min(MAX_BLOCKS, CAPACITY_SLACK * sum(counts) + 1024)
 
 
+def _num_removals(events: Sequence[Mapping[str, Any]], max_blocks: int) -> int:
+    """Entries a batch's own (non-remote) events may remove: its BlockRemoved hashes, plus a whole entry
+    (``max_blocks``, once) when it clears a tier."""
+    removals, cleared = 0, False
+    for event in events:
+        if event.get("medium") == "remote":
+            continue
+        if event["type"] == "BlockRemoved":
+            removals += len(event.get("block_hashes", ()))
+        cleared = cleared or event["type"] == "AllBlocksCleared"
+    return removals + (max_blocks if cleared else 0)
+
+
 class PrefixIndex:
     """Block hashes cached per worker url, fed by KV events."""
 
@@ -171,11 +185,15 @@ class PrefixIndex:
         if state.remote_tier:
             self._shared_max[state.remote_tier] = capacity_bound(tier.get("capacity_blocks"))
         snapshot = batch.get("snapshot")
+        # The cap is on what the batch nets to: a worker restarted on a disk fuller than its new budget
+        # announces every file found, then the evictions. Meanwhile the entry may grow past the cap by
+        # the removals still to come in this batch, no more (a hostile worker gains nothing by them).
+        headroom = _num_removals(batch["events"], state.max_blocks)
         for event in batch["events"]:
             if event.get("medium") == "remote":
                 self._apply_shared(tier, event)
             else:
-                self._apply_event(state, event)
+                self._apply_event(state, event, state.max_blocks + headroom)
                 if self._waiters and event["type"] == "BlockStored":
                     for hex_hash in event.get("block_hashes", ()):
                         self._wake(url, bytes.fromhex(hex_hash), True)
@@ -186,6 +204,8 @@ class PrefixIndex:
             state.snapshot_cursor = snapshot.get("next")
         elif not batch["events"] and batch.get("reset"):
             state.last_seq = batch["last_seq"]
+        if len(state.blocks) > state.max_blocks:
+            raise ValueError(f"worker announced more blocks than its tiers hold ({state.max_blocks})")
         load = batch.get("load") or {}
         state.load = WorkerLoadReport(
             num_running=int(load.get("num_running", 0)),
@@ -209,7 +229,7 @@ class PrefixIndex:
         return state.write_pressure_blocks * math.exp(-age_s / WRITE_PRESSURE_TAU_S)
 
     @staticmethod
-    def _apply_event(state: WorkerIndex, event: Mapping[str, Any]) -> None:
+    def _apply_event(state: WorkerIndex, event: Mapping[str, Any], max_blocks: int) -> None:
         kind, medium = event["type"], event.get("medium", "L1")
         if kind == "AllBlocksCleared":
             for block_hash in [h for h, b in state.blocks.items() if medium in b.media]:
@@ -220,7 +240,7 @@ class PrefixIndex:
             if kind == "BlockStored":
                 block = state.blocks.get(block_hash)
                 if block is None:
-                    if len(state.blocks) >= state.max_blocks:
+                    if len(state.blocks) >= max_blocks:
                         raise ValueError(
                             f"worker announced more blocks than its tiers hold ({state.max_blocks})"
                         )

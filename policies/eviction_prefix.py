@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
@@ -118,6 +118,23 @@ class PrefixAwarePolicy(EvictionPolicy):
             block.segment = PROTECTED
         self._rank(block_id, block)
 
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        blocks, num_blocks, clock = self._blocks, self._num_blocks, self._clock
+        for block_id in block_ids:
+            block = blocks.get(block_id)
+            if block is None:
+                continue
+            clock += 1
+            block.num_accesses += 1
+            block.last_clock = clock
+            if block.segment == PROBATION:
+                num_blocks[PROBATION] -= 1
+                num_blocks[PROTECTED] += 1
+                block.segment = PROTECTED
+            if block.num_children == 0:
+                self._push_leaf(block_id, block)
+        self._clock = clock
+
     def on_remove(self, block_id: BlockId) -> None:
         if block_id in self._blocks:
             self._forget(block_id)
@@ -163,15 +180,17 @@ class PrefixAwarePolicy(EvictionPolicy):
             recent.popitem(last=False)
 
     def _rank(self, block_id: BlockId, block: _Block) -> None:
+        # Only leaves are ranked: an inner block's key is computed when it becomes a leaf (in
+        # ``_push_leaf``), from the same fields, so it is the key this access would have given it.
+        if block.num_children == 0:
+            self._push_leaf(block_id, block)
+
+    def _push_leaf(self, block_id: BlockId, block: _Block) -> None:
         if block.segment == PROBATION:
             block.key = float(block.last_clock)
         else:
             span = block.last_clock - block.first_clock + self.rate_prior
             block.key = block.last_clock + self.recency_scale * math.log(block.num_accesses / span)
-        if block.num_children == 0:
-            self._push_leaf(block_id, block)
-
-    def _push_leaf(self, block_id: BlockId, block: _Block) -> None:
         heap = self._leaves[block.segment]
         heapq.heappush(heap, (block.key, block_id))
         if len(heap) > 2 * len(self._blocks) + 64:

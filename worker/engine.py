@@ -114,6 +114,7 @@ class Engine:
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
+            self.block_manager.on_reservation = self.store.set_reservation  # L2, L3, Redis follow L1's grants
         self.purge_fence = PurgeFence()
         self._purges: set[asyncio.Future[Any]] = set()  # purges under way (kept while their callers are gone)
         self.scheduler = Scheduler(
@@ -323,7 +324,8 @@ class Engine:
             },
             "evictions_total": bm.num_evictions,
             "eviction_policy": bm.policy.name,
-            "reserved_blocks": dict(bm.reserved_blocks),
+            "reserved_blocks": dict(bm.reserved_blocks),  # granted (a fair share of what was asked)
+            "reserved_blocks_requested": dict(bm.requested_blocks),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "tiers": self.store.stats() if self.store is not None else {},
         }
@@ -394,13 +396,8 @@ class Engine:
             if seq.request_id not in self._handles:  # cancelled before it arrived
                 self._leave_queue(seq)
                 return
-            for segment in seq.segments:
-                if segment.reserved_blocks:
-                    granted = self.block_manager.set_reservation(
-                        segment.namespace_id, segment.reserved_blocks
-                    )
-                    if self.store is not None:
-                        self.store.set_reservation(segment.namespace_id, granted)
+            for segment in seq.segments:  # 0 releases a reservation its owner no longer asks for
+                self.block_manager.set_reservation(segment.namespace_id, segment.reserved_blocks)
             self._sequences[seq.request_id] = seq
             seq.purge_tag = self.purge_fence.tag()
             if seq.use_cache and self.store is not None:

@@ -16,7 +16,7 @@ from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1
 from worker.engine import Engine
 from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
 from worker.tiers.disk import DiskTier
-from worker.tiers.entry import BlockRecord
+from worker.tiers.entry import BlockRecord, encode_entry
 from worker.tiers.host import DemotedBlock
 from worker.tiers.remote import RemoteTier
 
@@ -133,6 +133,79 @@ def test_disk_eviction_is_announced(tmp_path):
         assert disk.write(chain) == 4
     assert disk.counters["files_evicted_total"] >= 1
     assert set(held(log, "L3")) == set(disk.index)  # the events say exactly what the index holds
+
+
+def _disk(root, budget_bytes: int, log: KVEventLog | None = None) -> DiskTier:
+    return DiskTier(
+        root,
+        budget_bytes=budget_bytes,
+        fingerprint=b"events" * 6,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        min_free_bytes=0,
+        max_blocks_per_file=16,
+        events=None if log is None else TierEvents(log, "L3"),
+    )
+
+
+def _batch(log: KVEventLog, since: int, capacity: dict[str, int]) -> dict:
+    """What ``GET /v1/kv_events?since=…`` answers with the consumer's default page (4096 events)."""
+    batch = log.since(since, max_events=4096)
+    return {
+        "worker_id": "w1",
+        "last_seq": batch.last_seq,
+        "reset": batch.reset,
+        "events": [event.to_json() for event in batch.events],
+        "capacity_blocks": capacity,
+    }
+
+
+def test_a_disk_restarted_with_a_smaller_budget_announces_only_the_files_it_keeps(tmp_path):
+    before = _disk(tmp_path, budget_bytes=64 << 20)
+    for seed in range(100):  # 1600 blocks on disk
+        assert before.write(_blocks(f"t-{seed % 4}", seed, 16)) == 16
+    log = KVEventLog()
+    after = _disk(tmp_path, budget_bytes=64 * BLOCK_BYTES, log=log)  # the operator shrank --l3-bytes
+    assert 0 < len(after.index) <= 64
+    events = log.since(0, max_events=1 << 20).events
+    # Before: 1600 BlockStored, then 1536+ BlockRemoved of blocks nobody had been told about.
+    assert {e.kind for e in events} == {BLOCK_STORED}
+    assert [e.block_hash for e in events] == [r.block_hash for f in after.files.values() for r in f.records]
+    capacity = {"L1": 64, "L2": 16, "L3": after.budget_bytes // after.block_payload_bytes}
+    index = PrefixIndex()
+    index.apply("http://w", _batch(log, 0, capacity))  # before: refused as "more blocks than its tiers hold"
+    assert set(index.workers["http://w"].blocks) == set(after.index)
+
+
+def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
+    log = KVEventLog()
+    remote = RemoteTier(
+        kv_redis_url,
+        fingerprint=b"no-blocks!" * 4,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        budget_bytes=1 << 20,
+        ttl_s=60,
+        timeout_s=1.0,
+        events=TierEvents(log, "remote"),
+    )
+    (block,) = _blocks("t-a", 1, 1)
+    key = remote.key("t-a", block.record.block_hash)
+    empty = encode_entry(
+        fingerprint=remote.fingerprint,
+        namespace_id="t-a",
+        codec="none",
+        dtype="float32",
+        block_shape=SHAPE,
+        blocks=[],
+        payloads=[],
+    )  # a valid header checksum over a header that lists no block
+    remote.client.set(key, empty)
+    # Before: IndexError out of get_run (the prefetch that asked failed, not a miss).
+    assert remote.get_run(["t-a"], [block.record.block_hash], [block.record.token_ids]) == ([], None)
+    assert remote.counters["corrupt_deleted_total"] == 1 and not remote.client.exists(key)
 
 
 def test_redis_events_name_written_evicted_and_purged_blocks(kv_redis_url):
