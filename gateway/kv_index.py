@@ -124,7 +124,8 @@ class PrefixIndex:
         self.shared: dict[str, OrderedDict[bytes, SharedBlock]] = {}
         self._shared_max: dict[str, int] = {}  # Redis tier id -> entries kept at most
         self._clock = clock
-        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[bool]]] = {}  # wait_stored
+        # (url, block hash) -> (leader's request id, future) of each wait_stored
+        self._waiters: dict[tuple[str, bytes], list[tuple[str, asyncio.Future[bool]]]] = {}
 
     def drop(self, url: str) -> None:
         """Forget a worker (dead, restarted, or its event stream broke)."""
@@ -133,8 +134,10 @@ class PrefixIndex:
             if waited_url == url:
                 self._wake(url, block_hash, False)
 
-    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float) -> bool:
-        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``."""
+    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float, leader_id: str = "") -> bool:
+        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``, or
+        until ``release`` of the leader ``leader_id`` (the request computing it there) says it will not
+        (False)."""
         state = self.workers.get(url)
         if state is not None and block_hash in state.blocks:
             return True
@@ -142,24 +145,31 @@ class PrefixIndex:
             return False
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         waiters = self._waiters.setdefault((url, block_hash), [])
-        waiters.append(future)
+        waiter = (leader_id, future)
+        waiters.append(waiter)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             return False
         finally:
-            if future in waiters:
-                waiters.remove(future)
+            if waiter in waiters:
+                waiters.remove(waiter)
             if not waiters:
                 self._waiters.pop((url, block_hash), None)
 
-    def release(self, url: str, block_hash: bytes) -> None:
-        """Stop the waits for ``block_hash`` on ``url`` (False): the request that was to compute it there
-        will not (refused, failed or cancelled), so its followers compute it themselves."""
-        self._wake(url, block_hash, False)
+    def release(self, url: str, block_hash: bytes, leader_id: str = "") -> None:
+        """Stop the waits of leader ``leader_id``'s followers for ``block_hash`` on ``url`` (False): that
+        request was to compute it there and will not (refused, failed or cancelled), so its followers
+        compute it themselves. Followers of another leader placed on the same block there (another
+        ``prompt_cache_key``, another tenant's placement) keep waiting for theirs. ``leader_id`` "":
+        every wait for the block there."""
+        waiters = self._waiters.get((url, block_hash), [])
+        for leader, future in list(waiters):
+            if (not leader_id or leader == leader_id) and not future.done():
+                future.set_result(False)
 
     def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
-        for future in self._waiters.pop((url, block_hash), []):
+        for _, future in self._waiters.pop((url, block_hash), []):
             if not future.done():
                 future.set_result(stored)
 

@@ -202,6 +202,12 @@ class KVAwareRouter:
             self._placed.popitem(last=False)
         return url, 0.0
 
+    def leader_of(self, request: RouteRequest) -> str:
+        """The request id of the leader whose placement ``request`` follows ("" when none is remembered):
+        a follower waits for that leader's prefill, and only its drop releases the follower."""
+        placed = self._placed.get(request.affinity_key) if request.affinity_key is not None else None
+        return "" if placed is None else placed[3]
+
     def drop_placement(self, request: RouteRequest) -> str | None:
         """Forget the cold placement ``request`` made, if it is still the one remembered (its request id):
         the request was refused, failed, cancelled or sent elsewhere, so its prefix may never be computed

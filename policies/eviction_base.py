@@ -12,6 +12,9 @@ Call sequence for one block access, as the owner makes it:
   block's history before the evictions that make room for it), then ``evict(can_evict)`` as many times
   as room is needed, then ``on_insert(block_id, meta, now)`` once the block holds its data.
 
+An owner whose ``can_evict`` refuses every block with resident children says so once, before the first
+insert, with ``declare_leaf_only()``; policies may then skip those blocks without asking.
+
 Policies import nothing of ours beyond ``policies``: they are pure, deterministic and do no I/O.
 """
 
@@ -76,6 +79,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_remove(self, block_id: BlockId) -> None:
         """A resident block left the cache for a reason other than ``evict`` (purge, stranded)."""
+
+    def declare_leaf_only(self) -> None:  # noqa: B027 - optional hook, no-op default
+        """The owner's promise, made before the first ``on_insert``: its ``can_evict`` refuses every block
+        that has a tracked child (a block inserted with it as ``BlockMeta.parent``, not evicted or removed
+        since). A policy may then skip such blocks without asking; none may evict differently for it.
+
+        Prefix stores that evict leaves only make it (the worker's ``BlockManager``, the prefix replay);
+        flat owners, for which any block may go, do not.
+        """
 
     def on_evicted(self, block_id: BlockId) -> None:
         """The owner evicted a resident block that another policy chose (a policy run beside others).

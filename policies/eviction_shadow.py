@@ -11,6 +11,9 @@ inner blocks are the oldest). ``LRUShadow`` and ``ARCShadow`` make exactly the s
 ``LRUPolicy`` and ``ARCPolicy`` behind a leaf-only, unpinned ``can_evict``, but keep each list's
 *leaves* in a heap keyed by the access stamp that orders the list: the first evictable block of a list
 is its evictable leaf with the smallest stamp.
+
+A prompt's hits that a shadow holds whole (most of them) are applied in bulk (``hit_all``), with the
+prompt walk (``walk_hits``: usable flags, pins) computed once for every shadow that starts where it does.
 """
 
 from __future__ import annotations
@@ -18,9 +21,43 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class HitWalk:
+    """What a run of hits does to a shadow's prompt state, the same in every shadow that holds them all."""
+
+    usable: list[bool]  # per block: a prefix-usable hit
+    last_reset: int  # index of the last block that started a new prompt (unpinned the last), or -1
+    last_position: int  # position of the last block
+    last_usable: BlockId | None  # the last block, if it was usable
+
+
+def walk_hits(
+    block_ids: Sequence[BlockId],
+    metas: Sequence[BlockMeta],
+    last_position: int,
+    last_usable: BlockId | None,
+    *,
+    sampled: bool,
+) -> HitWalk:
+    """The prompt bookkeeping of ``Shadow.access_many`` for blocks that are all resident, once for all."""
+    usable_flags: list[bool] = []
+    last_reset = -1
+    for i, (block_id, meta) in enumerate(zip(block_ids, metas, strict=True)):
+        position = meta.position
+        if position <= last_position:
+            last_reset = i
+        last_position = position
+        usable = sampled or position == 0 or meta.parent == last_usable
+        last_usable = block_id if usable else None
+        usable_flags.append(usable)
+    return HitWalk(usable_flags, last_reset, last_position, last_usable)
 
 
 class Shadow:
@@ -111,6 +148,25 @@ class Shadow:
         self.last_position, self.last_usable = last_position, last_usable
         return results
 
+    def holds_all(self, block_ids: AbstractSet[BlockId]) -> bool:
+        """Whether every block is resident here (then ``hit_all`` may replay them)."""
+        return self.parent_of.keys() >= block_ids
+
+    def hit_all(self, block_ids: Sequence[BlockId], walk: HitWalk, now: float) -> None:
+        """``access_many`` for blocks that are all resident, with their ``walk`` computed by the caller.
+
+        Only the pins left at the end are kept: no eviction reads them during a run of hits.
+        """
+        pinned = self.pinned
+        if walk.last_reset >= 0:
+            pinned.clear()
+            pinned.update(block_ids[walk.last_reset :])
+        else:
+            pinned.update(block_ids)
+        self.last_position = walk.last_position
+        self.last_usable = walk.last_usable
+        self._hits(block_ids, now)
+
     @property
     def is_full(self) -> bool:
         return len(self.parent_of) >= self.capacity_blocks
@@ -165,7 +221,7 @@ class PolicyShadow(Shadow):
 class _LeafHeaps(Shadow):
     """Lists ordered by access stamp, each with a heap of its leaves (stale entries allowed)."""
 
-    __slots__ = ("clock", "heaps", "lists")
+    __slots__ = ("clock", "heaps", "lists", "unpushed")
 
     def __init__(self, capacity_blocks: int, *, sampled: bool, num_lists: int) -> None:
         super().__init__(capacity_blocks, sampled=sampled)
@@ -173,8 +229,56 @@ class _LeafHeaps(Shadow):
         # lists[k]: resident id -> stamp of its latest access; ``LRUPolicy``'s order is ascending stamp
         self.lists: tuple[dict[BlockId, int], ...] = tuple({} for _ in range(num_lists))
         self.heaps: tuple[list[tuple[int, BlockId]], ...] = tuple([] for _ in range(num_lists))
+        # The block inserted last, not yet in its heap: (list, stamp, id). A prompt's blocks are inserted
+        # root first, so the next insert is most often its child and its entry would only go stale. It
+        # is pinned until the prompt ends, so no eviction can want it before: it is pushed then.
+        self.unpushed: tuple[int, int, BlockId] | None = None
 
     hit_list: ClassVar[int] = 0  # the list a hit moves a block to (ARC: T2, leaving T1)
+
+    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
+        """``Shadow.access`` with a miss's insert inlined and its leaf entry deferred (``unpushed``)."""
+        if block_id in self.parent_of:
+            return super().access(block_id, meta, now)
+        if meta.position <= self.last_position:
+            self.pinned.clear()
+        self.last_position = meta.position
+        self.last_usable = None
+        self._miss(block_id, now)
+        parent_of, num_children = self.parent_of, self.num_children
+        if len(parent_of) >= self.capacity_blocks:
+            victim = self._evict()
+            if victim is None:
+                return False
+            victim_parent = parent_of.pop(victim)
+            if victim_parent is not None:
+                left = num_children[victim_parent] - 1
+                if left:
+                    num_children[victim_parent] = left
+                else:
+                    del num_children[victim_parent]
+                    self._became_leaf(victim_parent)
+        parent = meta.parent if not self.sampled else None
+        unpushed = self.unpushed
+        if parent is not None and parent in parent_of:
+            num_children[parent] = num_children.get(parent, 0) + 1
+            if unpushed is not None and unpushed[2] == parent:
+                unpushed = None  # an inner block now: its entry would be stale
+        else:
+            parent = None
+        if unpushed is not None:
+            self._push(*unpushed)
+        parent_of[block_id] = parent
+        self.pinned.add(block_id)
+        k = self._insert_list()
+        self.clock += 1
+        self.lists[k][block_id] = self.clock
+        self.unpushed = (k, self.clock, block_id)
+        return False
+
+    def _insert_list(self) -> int:
+        """The list a missed block enters."""
+        return 0
 
     def access_many(self, block_ids: Sequence[BlockId], metas: Sequence[BlockMeta], now: float) -> list[bool]:
         """``Shadow.access_many`` with a hit's move inlined: the hot path of a prompt's reused blocks."""
@@ -211,6 +315,20 @@ class _LeafHeaps(Shadow):
         self.last_position, self.last_usable, self.clock = last_position, last_usable, clock
         return results
 
+    def _hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        """Hits of resident blocks, in order: one stamp each, in bulk (ARC: leaving T1 for T2)."""
+        k = self.hit_list
+        if k and self.lists[0]:
+            leaving = self.lists[0]
+            for block_id in leaving.keys() & block_ids:
+                del leaving[block_id]
+        order, clock = self.lists[k], self.clock
+        order.update(zip(block_ids, range(clock + 1, clock + 1 + len(block_ids)), strict=True))
+        self.clock = clock + len(block_ids)
+        num_children = self.num_children
+        for block_id in [block_id for block_id in block_ids if block_id not in num_children]:
+            self._push(k, order[block_id], block_id)
+
     def _touch(self, k: int, block_id: BlockId) -> None:
         """(Re)place ``block_id`` at the most recent end of list ``k``."""
         self.clock += 1
@@ -236,6 +354,10 @@ class _LeafHeaps(Shadow):
     def _pop_first_evictable(self, k: int) -> BlockId | None:
         """Remove and return list ``k``'s least recently used evictable block (pinned ones stay put)."""
         heap, order, num_children, pinned = self.heaps[k], self.lists[k], self.num_children, self.pinned
+        unpushed = self.unpushed
+        if unpushed is not None and unpushed[2] not in pinned:
+            self.unpushed = None
+            self._push(*unpushed)
         kept: list[tuple[int, BlockId]] = []
         victim = None
         while heap:
@@ -267,9 +389,6 @@ class LRUShadow(_LeafHeaps):
 
     def _miss(self, block_id: BlockId, now: float) -> None:
         pass
-
-    def _insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
-        self._touch(0, block_id)
 
     def _evict(self) -> BlockId | None:
         return self._pop_first_evictable(0)
@@ -308,9 +427,10 @@ class ARCShadow(_LeafHeaps):
             del b2[block_id]
             self.ghost_hit = 2
 
-    def _insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
-        self._touch(1 if self.ghost_hit else 0, block_id)
+    def _insert_list(self) -> int:
+        k = 1 if self.ghost_hit else 0
         self.ghost_hit = 0
+        return k
 
     def _evict(self) -> BlockId | None:
         if self.ghost_hit:

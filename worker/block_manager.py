@@ -93,6 +93,7 @@ class BlockManager:
         self.hash_to_block_id: dict[BlockHash, int] = {}
         self._slot_of: dict[BlockId, int] = {}  # policy (content) id -> block id, for cached blocks
         self.policy = make_policy(eviction_policy, num_blocks)
+        self.policy.declare_leaf_only()  # _can_evict refuses every block with cached children
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
         self.requested_blocks: dict[str, int] = {}  # namespace_id -> reservation its requests ask for
         self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others (granted)

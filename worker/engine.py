@@ -29,6 +29,7 @@ from worker.engine_tiers import (
     make_store,
     purge_remote,
     purge_stored,
+    resume_prefetches,
     start_prefetch,
 )
 from worker.histograms import LatencyHistogram
@@ -217,9 +218,12 @@ class Engine:
         *,
         use_cache: bool = True,
         matcher: Any = None,
+        owner: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
         ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given).
+        ``owner``: the tenant tag the gateway names (its prefetch lane and budget share; default the
+        namespace of the prompt's private tail).
 
         Raises:
             RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
@@ -241,6 +245,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
             matcher=matcher,
+            owner=owner,
             in_waiting_queue=True,
         )
         self._handles[request_id] = handle
@@ -351,6 +356,8 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
+                if self.store is not None:  # budget given back since: waiting requests' cut prefetches
+                    resume_prefetches(self.store, self.block_manager, self.scheduler.waiting)
                 try:
                     idle = not self._step()
                 except Exception as exc:  # a bug must fail requests, never kill the worker

@@ -75,7 +75,8 @@ class PrefetchPlan:
     disk_blocks: int = 0
     use_remote: bool = False
     staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
-    owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
+    owner: str = ""  # tenant tag of the request: prefetches queue per owner, owners are served in turn
+    resume_at: int | None = None  # first block of the chain the budget cut off (None: none), planned later
 
 
 @dataclass(slots=True)
@@ -87,7 +88,8 @@ class PrefetchResult:
     namespace_ids: list[str]
     data: torch.Tensor | None
     staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
-    owner: str = ""  # namespace of the request (whose share of the budget ``staged_bytes`` is)
+    owner: str = ""  # tenant tag of the request (whose share of the budget ``staged_bytes`` is)
+    resume_at: int | None = None  # the plan's: where the chain continues once budget comes back
 
     def head(self, num_blocks: int) -> PrefetchResult:
         """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
@@ -100,6 +102,25 @@ class PrefetchResult:
             data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
             staged_bytes=self.staged_bytes,
             owner=self.owner,
+        )
+
+    def extend(self, more: PrefetchResult) -> PrefetchResult:
+        """This run followed by ``more``, which continues it (one run, as the scheduler loads it)."""
+        assert more.start == self.start + len(self.records)
+        if self.data is None or more.data is None:
+            data = more.data if self.data is None else self.data
+        else:
+            data = torch.cat([self.data, more.data])
+        return PrefetchResult(
+            request_id=self.request_id,
+            start=self.start,
+            records=self.records + more.records,
+            sources=self.sources + more.sources,
+            namespace_ids=self.namespace_ids + more.namespace_ids,
+            data=data,
+            staged_bytes=self.staged_bytes + more.staged_bytes,
+            owner=self.owner,
+            resume_at=more.resume_at,
         )
 
 
@@ -182,10 +203,10 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
-        # Host bytes reserved for prefetches in flight and held by waiting requests, per namespace (its
-        # fair share; engine thread only).
+        # Host bytes reserved for prefetches in flight and held by waiting requests, per owner (tenant
+        # tag: its fair share; engine thread only).
         self.staged_by_owner: dict[str, int] = {}
-        self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
+        self.prefetch_skipped_blocks = 0  # cut from arrivals' prefetches by the budget (some read later)
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
         self._writes: queue.Queue[tuple[int, list[DemotedBlock]] | None] = queue.Queue(maxsize=256)
@@ -298,10 +319,16 @@ class TieredStore:
         namespace_ids: Sequence[str],
         num_l1: int,
         owner: str = "",
-    ) -> PrefetchPlan | None:
-        """What to fetch for a new request of namespace ``owner`` whose first ``num_l1`` blocks are in L1
-        (None: nothing). A namespace holds at most its share of the budget (``_prefetch_room``)."""
+        from_block: int | None = None,
+    ) -> tuple[PrefetchPlan | None, int | None]:
+        """What to fetch for a request of tenant ``owner`` whose first ``num_l1`` blocks are in L1, from
+        block ``from_block`` on at the earliest (a plan resumed: what it holds already); returns (the
+        plan or None: nothing; the first block the budget cut off or None, to plan again once there is
+        room). An owner holds at most its share of the budget (``_prefetch_room``). The owner is the
+        tenant tag the gateway names, not the blocks' namespace: ``shared`` tenants all hash in the
+        global namespace, and one of them must not take the others' share or lane."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
+        start = max(start, from_block or 0)
         plan = PrefetchPlan(
             request_id=request_id,
             start=start,
@@ -311,16 +338,18 @@ class TieredStore:
             owner=owner,
         )
         room = self._prefetch_room(owner) // self.bytes_per_block
-        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
-            self.prefetch_skipped_blocks += len(plan.hashes) - room
+        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: later, or recompute
+            if from_block is None:  # counted once, when the request arrives (a resumed plan reads some)
+                self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
+            plan.resume_at = start + room
         if not plan.hashes:
-            return None
+            return None, plan.resume_at
         if self.disk is not None:
             found = self.disk.match(plan.hashes, plan.token_blocks)
             if found and not self.worth_loading("l3", len(found)):
                 self.gated["l3"] += len(found)
-                return None
+                return None, None
             for file_id, position in found:
                 last = plan.disk_reads[-1] if plan.disk_reads else None
                 if last is not None and last[0] == file_id and last[1][-1] + 1 == position:
@@ -332,14 +361,20 @@ class TieredStore:
             self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
         )
         if not plan.disk_blocks and not plan.use_remote:
-            return None
+            return None, None
+        if plan.disk_blocks < len(plan.hashes) and not plan.use_remote:
+            plan.resume_at = None  # the chain ends on disk before the cut: nothing after it to fetch
         plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
         self._stage(owner, plan.staged_bytes)
-        return plan
+        return plan, plan.resume_at
+
+    def has_prefetch_room(self, owner: str) -> bool:
+        """Whether ``owner`` may stage a block now (a cut plan is worth planning again)."""
+        return self._prefetch_room(owner) >= self.bytes_per_block
 
     def _prefetch_room(self, owner: str) -> int:
-        """Bytes ``owner`` may stage now. With k namespaces staging (``owner`` included) each holds at most
-        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of a namespace
+        """Bytes ``owner`` may stage now. With k owners staging (``owner`` included) each holds at most
+        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of an owner
         that stages nothing yet, so a newcomer always finds room while the earlier ones keep theirs."""
         budget, held = self.config.prefetch_bytes, self.staged_by_owner.get(owner, 0)
         staging = len(self.staged_by_owner) + (0 if held else 1)
@@ -352,7 +387,7 @@ class TieredStore:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of the prefetch budget reserved now, all namespaces together."""
+        """Bytes of the prefetch budget reserved now, all owners together."""
         return sum(self.staged_by_owner.values())
 
     def _stage(self, owner: str, num_bytes: int) -> None:
@@ -422,6 +457,7 @@ class TieredStore:
             data=data,
             staged_bytes=plan.staged_bytes,
             owner=plan.owner,
+            resume_at=plan.resume_at,
         )
         self._post(("prefetched", result))
 
