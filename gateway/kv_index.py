@@ -139,10 +139,11 @@ class PrefixIndex:
             if not waiters:
                 self._waiters.pop((url, block_hash), None)
 
-    def release(self, url: str, block_hash: bytes) -> None:
-        """Stop the waits for ``block_hash`` on ``url`` (False): the request that was to compute it there
-        will not (refused, failed or cancelled), so its followers compute it themselves."""
-        self._wake(url, block_hash, False)
+    def release(self, url: str, block_hash: bytes, *, stored: bool = False) -> None:
+        """Stop the waits for ``block_hash`` on ``url``: with ``stored`` False, the request that was to
+        compute it there will not (refused, failed or cancelled), so its followers compute it themselves;
+        with True, it has (its first token came) and the KV event saying so is still on its way."""
+        self._wake(url, block_hash, stored)
 
     def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
         for future in self._waiters.pop((url, block_hash), []):
