@@ -196,7 +196,6 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[METRICS],
         min_blocks=config.near_miss_min_blocks,
         max_wait_s=config.near_miss_max_wait_ms / 1000,
-        early_embedding=config.near_miss_early_embedding,
         findings=findings,
         policies=app[POLICY_CACHE],
     )

@@ -151,7 +151,6 @@ class GatewayConfig:
     kv_index: bool = True  # follow the workers' KV events into a prefix index (gateway.kv_index)
     near_miss_min_blocks: int = 4  # near-miss tenants: consult FAISS when the exact index finds fewer
     near_miss_max_wait_ms: float = 0.0  # > 0: FAISS on, a request waits at most this for its embedding
-    near_miss_early_embedding: bool = True  # start the head's embedding before routing, not after it
     near_miss_embedding: str = "auto"  # "auto": int8 ONNX graph (else fp32), or "sentence-transformers"
     near_miss_cache_dir: str = ""  # where the exported ONNX graph is kept ("": <data_dir>/embeddings)
     worker_health_interval_s: float = 2.0

@@ -119,14 +119,6 @@ class NamespaceVectors:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EarlyEmbedding:
-    """A head's urgent embedding started before routing (``NearMissRouting.start_embedding``)."""
-
-    head: str  # the decoded head it embeds (route uses the same text: one LRU key)
-    job: asyncio.Future  # of its vector
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class NearMissRoute:
     worker_url: str
     exact_tokens: int | None  # None: the exact route stood; else the exact index's cached tokens there
@@ -144,7 +136,6 @@ class NearMissRouting:
         max_prompt_tokens: int = 8192,
         capacity_per_namespace: int = 1024,
         max_wait_s: float = 0.0,
-        early_embedding: bool = True,
         recent_per_namespace: int = 16,
         findings: LocalFindings | RedisFindings | None = None,
         policies: PolicySource | None = None,
@@ -161,7 +152,6 @@ class NearMissRouting:
         self.max_prompt_tokens = max_prompt_tokens
         self._capacity = capacity_per_namespace
         self.max_wait_s = max_wait_s
-        self.early_embedding = early_embedding  # start_embedding (False: route starts it, as before)
         self.recent_per_namespace = recent_per_namespace
         self._cost = KVAwareRouter().cost_tokens
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
@@ -179,37 +169,6 @@ class NearMissRouting:
         self._sweeper: asyncio.Task | None = None
 
     # ---- the routing decision ------------------------------------------------------------------
-    def start_embedding(
-        self,
-        tenant: TenantPolicy,
-        model: ModelRuntime,
-        token_ids: Sequence[int],
-        segments: Sequence[NamespaceSegment],
-    ) -> EarlyEmbedding | None:
-        """Start the head's urgent embedding now, as soon as the prompt is tokenized, if ``route`` may
-        search FAISS for it, so that it runs while the request is routed (promotion match, block hashes,
-        the exact index, a follower's hold) and ``route`` waits only for what is left of it.
-
-        ``segments`` are the tenant's own (before promotion). Started only when FAISS is on, the
-        tenant's own key has vectors to search and none of its latest prompts shares ``min_blocks``
-        blocks with this one (then ``route`` would not search). Whether the exact index covers the
-        prompt is not known yet: if it does, the vector is not waited for and is remembered instead."""
-        if self.max_wait_s <= 0 or not self.early_embedding or bytes(segments[-1].key) in self._forgotten:
-            return None
-        if not self._searchable(model.model_id, segments):
-            return None
-        tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
-        recent = self._recent_of(model.model_id, segments)
-        best = self._best(tokens, segments, recent, None, model.block_size)
-        if best is not None and best[0] >= self.min_blocks:
-            return None
-        head = model.decode(token_ids[: self.head_tokens])
-        if self.embedder.cached(head, tenant=tenant.tenant_id) is not None:
-            return None  # route finds it at once
-        job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant.tenant_id))
-        job.add_done_callback(_retrieve)
-        return EarlyEmbedding(head=head, job=job)
-
     async def route(
         self,
         tenant: TenantPolicy,
@@ -218,20 +177,15 @@ class NearMissRouting:
         segments: Sequence[NamespaceSegment],
         request: RouteRequest,
         exact_url: str,
-        early: EarlyEmbedding | None = None,
     ) -> NearMissRoute:
-        """The worker for this request: ``exact_url`` unless a verified near miss beats it. ``early``:
-        its head's embedding, started by ``start_embedding``."""
+        """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
         self._observe_epoch(tenant)
         if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
         # The decoded head is for the embedder only: without a wait bound nothing is embedded.
-        if early is not None:
-            head = early.head
-        else:
-            head = model.decode(token_ids[: self.head_tokens]) if self.max_wait_s > 0 else ""
+        head = model.decode(token_ids[: self.head_tokens]) if self.max_wait_s > 0 else ""
         if max(worker.cached_blocks for worker in request.candidates) >= self.min_blocks:
             # The exact index covers this prefix, and so every later prompt that shares it: remembered
             # by tokens among the latest (findings), never embedded (no CPU taken from the workers).
@@ -243,7 +197,7 @@ class NearMissRouting:
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
-            vector = await self._embed_within_bound(head, tenant.tenant_id, early)
+            vector = await self._embed_within_bound(head, tenant.tenant_id)
             if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
                 return NearMissRoute(worker_url=exact_url, exact_tokens=None)
             late = vector is None and self.max_wait_s > 0
@@ -281,20 +235,14 @@ class NearMissRouting:
         )
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
-    async def _embed_within_bound(
-        self, head: str, tenant_id: str, early: EarlyEmbedding | None = None
-    ) -> np.ndarray | None:
-        """The head's embedding, ahead of queued background ones (``early``'s if it was started before
-        routing); None if not ready within the bound (with no bound, only an embedding already at hand:
-        the request never waits). The metric observes the wait here: what the embedding adds."""
+    async def _embed_within_bound(self, head: str, tenant_id: str) -> np.ndarray | None:
+        """The head's embedding, ahead of queued background ones; None if not ready within the bound
+        (with no bound, only an embedding already at hand: the request never waits)."""
         vector = self.embedder.cached(head, tenant=tenant_id)
         if vector is not None or self.max_wait_s <= 0:
             return vector
         started = time.perf_counter()
-        if early is not None:
-            job = early.job
-        else:
-            job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant_id))
+        job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant_id))
         try:
             return await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
         except TimeoutError:  # the job goes on: its vector lands in the LRU for _remember
@@ -308,14 +256,14 @@ class NearMissRouting:
         tokens: np.ndarray,
         segments: Sequence[NamespaceSegment],
         nominees: Sequence[Remembered],
-        by_url: dict | None,  # the candidate workers (None: any)
+        by_url: dict,
         block_size: int,
     ) -> tuple[int, Remembered] | None:
         """The nominee whose cache the request could reuse most (exact tokens, same keys), if any."""
         layout = layout_of(segments)
         best: tuple[int, Remembered] | None = None
         for entry in nominees:
-            if by_url is not None and entry.worker_url not in by_url:
+            if entry.worker_url not in by_url:
                 continue  # its worker is gone
             blocks = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).reusable_blocks
             if blocks and (best is None or blocks > best[0]):
@@ -522,10 +470,3 @@ class NearMissRouting:
             await asyncio.wait(self._background, timeout=2)
         self.embedder.close()
         await self._findings.close()
-
-
-def _retrieve(job: asyncio.Future) -> None:
-    """An early embedding nobody awaited (the exact index covered its prompt) may have failed (the
-    embedder closed): read its exception so that asyncio does not log it as never retrieved."""
-    if not job.cancelled():
-        job.exception()

@@ -437,11 +437,6 @@ class RequestPipeline:
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
         if check_tokens is not None:  # each of the n choices may generate max_tokens
             await check_tokens(len(token_ids) + (sampling.max_tokens or 0) * sampling.n)
-        early = (
-            None  # the head's embedding runs while the request is routed (NearMissRouting.start_embedding)
-        )
-        if self._near_miss is not None and tenant.near_miss_routing:
-            early = self._near_miss.start_embedding(tenant, model, token_ids, self.segments(tenant))
         run_cpu = functools.partial(self.run_cpu, owner=tenant.tenant_id)
         promotion = await self._promotion.match(tenant, model, prompt, run_cpu=run_cpu)
         promoted = promotion.promoted_prefix_tokens
@@ -453,7 +448,7 @@ class RequestPipeline:
         if self._near_miss is not None and tenant.near_miss_routing:
             try:
                 near_miss = await self._near_miss.route(
-                    tenant, model, token_ids, segments, route_request, worker_url, early
+                    tenant, model, token_ids, segments, route_request, worker_url
                 )
             except BaseException:  # cancelled while it waited for an embedding
                 self.abandon(route_request)

@@ -134,14 +134,12 @@ class GatedEmbedder:
     def __init__(self) -> None:
         self.gate, self.entered = asyncio.Event(), asyncio.Event()
         self.gate.set()
-        self.urgent_heads: list[str] = []  # every urgent embedding asked for, in order
 
     def cached(self, head: str, *, tenant: str = "") -> None:
         return None
 
     async def embed(self, head: str, *, urgent: bool = True, tenant: str = "") -> np.ndarray:
         if urgent:
-            self.urgent_heads.append(head)
             self.entered.set()
             await self.gate.wait()
         return np.full(EMBEDDING_DIM, 1 / np.sqrt(EMBEDDING_DIM), dtype=np.float32)
@@ -170,46 +168,6 @@ async def test_a_tenant_purged_while_its_request_awaits_an_embedding_is_not_reme
     assert routing.num_remembered(TENANT.tenant_id) == 0
     assert not routing._recent and not routing._keys_of and await routing.findings(TENANT.tenant_id) == []
     await routing.close()
-
-
-async def test_a_head_embedding_started_before_routing_is_the_one_the_route_waits_for(runtime):  # noqa: F811
-    """The head's embedding used to start only when ``route`` found it needed one, after the promotion
-    match, the block hashes, the exact index and any follower's hold: the request waited for all of the
-    model's run. Started as soon as the prompt is tokenized, it runs meanwhile."""
-    embedder = GatedEmbedder()
-    metrics = GatewayMetrics()
-    routing = NearMissRouting(embedder=embedder, metrics=metrics, max_wait_s=5.0)  # type: ignore[arg-type]
-    first, sibling = prompt_pair(7)
-    unrelated = [t + 1 for t in sibling]  # shares no block with the first
-    assert routing.start_embedding(TENANT, runtime, unrelated, SEGMENTS) is None  # nothing to search yet
-    await routing.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
-    while not routing.num_remembered(TENANT.tenant_id):  # its background embedding
-        await asyncio.sleep(0.01)
-    # A sibling sharing 6 blocks with a latest prompt is nominated by tokens: route never embeds it.
-    assert routing.start_embedding(TENANT, runtime, sibling, SEGMENTS) is None
-    embedder.gate.clear()
-    early = routing.start_embedding(TENANT, runtime, unrelated, SEGMENTS)
-    assert early is not None
-    await asyncio.wait_for(embedder.entered.wait(), 30)  # running before the request is routed
-    assert embedder.urgent_heads == [early.head]
-    embedder.gate.set()
-    await asyncio.wait_for(asyncio.shield(early.job), 30)  # done while the request was being routed
-    routed = await routing.route(TENANT, runtime, unrelated, SEGMENTS, request(), URLS[2], early)
-    assert routed.worker_url == URLS[2]
-    assert embedder.urgent_heads == [early.head]  # route waited for that one, started no other
-    assert metrics.registry.get_sample_value("prefixgate_near_miss_embed_seconds_count") == 1
-    assert not metrics.registry.get_sample_value("prefixgate_near_miss_routes_total", {"outcome": "late"})
-    routing.early_embedding = False  # as before: route starts it
-    assert routing.start_embedding(TENANT, runtime, [t + 2 for t in sibling], SEGMENTS) is None
-    await routing.close()
-
-
-async def test_no_embedding_starts_early_without_a_wait_bound(near_miss, runtime):  # noqa: F811
-    first, second = prompt_pair(8)
-    await near_miss.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
-    near_miss._add(runtime.model_id, near_miss._recent_of(runtime.model_id, SEGMENTS)[0], _unit())
-    assert near_miss.start_embedding(TENANT, runtime, [t + 1 for t in second], SEGMENTS) is None
-    assert near_miss.embedder.pending == 0
 
 
 SHARED_SEGMENTS = (
