@@ -224,6 +224,7 @@ def summarize(requests, served, decisions: dict, warmup: int = 16) -> dict:
         "slowest_2": tail_requests,
         "ttft_p99_after_opening_ms": round(percentile(after_warmup, 99), 1),
         "lost_hit_ratio": round(sum(lost.values()) * BLOCK / total_tokens, 4),
+        "ttfts_ms": [round(by_order[order][1], 1) for order in sorted(by_order)],  # to pool passes
     }
 
 
