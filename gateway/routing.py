@@ -131,7 +131,9 @@ class KVAwareRouter:
     fallback: RendezvousRouter = RendezvousRouter()
     remembered_placements: int = 4096
     leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
-    release_at_first_token: bool = True  # leader_prefilled
+    # leader_prefilled: a leader's first token ends its followers' hold (False: only the KV event does, as
+    # before 2026-12-01; bench.routing_losses and bench.routing_opening compare the two)
+    release_at_first_token: bool = True
     clock: Callable[[], float] = time.monotonic
     # key -> (url, placed at, head block, request id): a follower holds only for the same head (a
     # prompt_cache_key groups different prompts under one key; one of them waited the full hold for a head
