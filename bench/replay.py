@@ -102,6 +102,7 @@ def _replay_prefix(
     def can_evict(block_id: BlockId) -> bool:
         return block_id not in pinned and block_id not in num_children
 
+    policy.declare_leaf_only()  # can_evict refuses every block with resident children
     num_blocks = num_hits = num_prefix_hits = 0
     for request in requests:
         block_ids, now = request.block_ids, request.now_s

@@ -26,6 +26,7 @@ def replay_worker(
     now = [0.0]
     manager = BlockManager(capacity_blocks, 1, eviction_policy="lru", clock=lambda: now[0])
     manager.policy = policy  # the caller's object, as the other modes drive it (nothing inserted yet)
+    policy.declare_leaf_only()  # as the manager does for the policy it makes
     num_blocks = num_hits = num_prefix_hits = 0
     for request in requests:
         now[0] = request.now_s

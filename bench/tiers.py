@@ -199,7 +199,7 @@ def restore_chain_engine_gbps(
         if reader.disk is not None:
             drop_page_cache([info.path for info in reader.disk.files.values()])
         started = time.perf_counter()
-        plan = reader.plan_prefetch(f"restore-{attempt}", hashes, token_blocks, ["bench"] * num_blocks, 0)
+        plan, _ = reader.plan_prefetch(f"restore-{attempt}", hashes, token_blocks, ["bench"] * num_blocks, 0)
         assert plan is not None, "nothing found to restore"
         reader.start_prefetch(plan)
         _, result = posted.get(timeout=600)

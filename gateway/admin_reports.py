@@ -129,7 +129,7 @@ async def usage_report_handler(request: web.Request) -> web.Response:
 
 
 async def request_export_handler(request: web.Request) -> web.Response:
-    """GET /reports/requests: one record per request, in insertion order, paged with ``cursor``."""
+    """GET /reports/requests: one record per request, in write order, paged with ``cursor``."""
     output = _choice(request, "format", ("json", "csv"), "json")
     cursor = request.query.get("cursor") or None
     try:

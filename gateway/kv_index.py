@@ -17,9 +17,10 @@ Memory is bounded. Redis expires blocks silently, so shared entries are kept in 
 announced and swept from the front once their TTL has passed; a tier's entries are capped at
 ``CAPACITY_SLACK`` times the blocks its budget holds (``remote_tier.capacity_blocks``), the oldest going
 first. A worker's own entries are capped the same way by what its tiers hold (``capacity_blocks`` in its
-batches: L1, L2, L3); a worker that announces more (broken or hostile) is refused like a malformed batch
-(``ValueError``: the consumer drops it from the index). Without a reported capacity the caps are
-``DEFAULT_MAX_BLOCKS``; a reported one is never trusted beyond ``MAX_BLOCKS``.
+batches: L1, L2, L3), on what each batch nets to (a restarted worker announces the files its disk holds,
+then the evictions down to its budget); a worker that announces more (broken or hostile) is refused like
+a malformed batch (``ValueError``: the consumer drops it from the index). Without a reported capacity
+the caps are ``DEFAULT_MAX_BLOCKS``; a reported one is never trusted beyond ``MAX_BLOCKS``.
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ def capacity_bound(capacity: Any) -> int:
     return min(MAX_BLOCKS, CAPACITY_SLACK * sum(counts) + 1024)
 
 
+def _num_removals(events: Sequence[Mapping[str, Any]], max_blocks: int) -> int:
+    """Entries a batch's own (non-remote) events may remove: its BlockRemoved hashes, plus a whole entry
+    (``max_blocks``, once) when it clears a tier."""
+    removals, cleared = 0, False
+    for event in events:
+        if event.get("medium") == "remote":
+            continue
+        if event["type"] == "BlockRemoved":
+            removals += len(event.get("block_hashes", ()))
+        cleared = cleared or event["type"] == "AllBlocksCleared"
+    return removals + (max_blocks if cleared else 0)
+
+
 class PrefixIndex:
     """Block hashes cached per worker url, fed by KV events."""
 
@@ -110,7 +124,8 @@ class PrefixIndex:
         self.shared: dict[str, OrderedDict[bytes, SharedBlock]] = {}
         self._shared_max: dict[str, int] = {}  # Redis tier id -> entries kept at most
         self._clock = clock
-        self._waiters: dict[tuple[str, bytes], list[asyncio.Future[bool]]] = {}  # wait_stored
+        # (url, block hash) -> (leader's request id, future) of each wait_stored
+        self._waiters: dict[tuple[str, bytes], list[tuple[str, asyncio.Future[bool]]]] = {}
 
     def drop(self, url: str) -> None:
         """Forget a worker (dead, restarted, or its event stream broke)."""
@@ -119,8 +134,10 @@ class PrefixIndex:
             if waited_url == url:
                 self._wake(url, block_hash, False)
 
-    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float) -> bool:
-        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``."""
+    async def wait_stored(self, url: str, block_hash: bytes, timeout_s: float, leader_id: str = "") -> bool:
+        """Wait until the worker at ``url`` announces ``block_hash`` (True), at most ``timeout_s``, or
+        until ``release`` of the leader ``leader_id`` (the request computing it there) says it will not
+        (False)."""
         state = self.workers.get(url)
         if state is not None and block_hash in state.blocks:
             return True
@@ -128,25 +145,32 @@ class PrefixIndex:
             return False
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         waiters = self._waiters.setdefault((url, block_hash), [])
-        waiters.append(future)
+        waiter = (leader_id, future)
+        waiters.append(waiter)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             return False
         finally:
-            if future in waiters:
-                waiters.remove(future)
+            if waiter in waiters:
+                waiters.remove(waiter)
             if not waiters:
                 self._waiters.pop((url, block_hash), None)
 
-    def release(self, url: str, block_hash: bytes, *, stored: bool = False) -> None:
-        """Stop the waits for ``block_hash`` on ``url``: with ``stored`` False, the request that was to
-        compute it there will not (refused, failed or cancelled), so its followers compute it themselves;
-        with True, it has (its first token came) and the KV event saying so is still on its way."""
-        self._wake(url, block_hash, stored)
+    def release(self, url: str, block_hash: bytes, leader_id: str = "", *, stored: bool = False) -> None:
+        """Stop the waits of leader ``leader_id``'s followers for ``block_hash`` on ``url``. With ``stored``
+        False that request was to compute it there and will not (refused, failed or cancelled), so its
+        followers compute it themselves; with True it has (its first token came: ``RequestPipeline.
+        prefilled``) and the KV event saying so is still on its way. Followers of another leader placed
+        on the same block there (another ``prompt_cache_key``, another tenant's placement) keep waiting
+        for theirs. ``leader_id`` "": every wait for the block there."""
+        waiters = self._waiters.get((url, block_hash), [])
+        for leader, future in list(waiters):
+            if (not leader_id or leader == leader_id) and not future.done():
+                future.set_result(stored)
 
     def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
-        for future in self._waiters.pop((url, block_hash), []):
+        for _, future in self._waiters.pop((url, block_hash), []):
             if not future.done():
                 future.set_result(stored)
 
@@ -172,11 +196,15 @@ class PrefixIndex:
         if state.remote_tier:
             self._shared_max[state.remote_tier] = capacity_bound(tier.get("capacity_blocks"))
         snapshot = batch.get("snapshot")
+        # The cap is on what the batch nets to: a worker restarted on a disk fuller than its new budget
+        # announces every file found, then the evictions. Meanwhile the entry may grow past the cap by
+        # the removals still to come in this batch, no more (a hostile worker gains nothing by them).
+        headroom = _num_removals(batch["events"], state.max_blocks)
         for event in batch["events"]:
             if event.get("medium") == "remote":
                 self._apply_shared(tier, event)
             else:
-                self._apply_event(state, event)
+                self._apply_event(state, event, state.max_blocks + headroom)
                 if self._waiters and event["type"] == "BlockStored":
                     for hex_hash in event.get("block_hashes", ()):
                         self._wake(url, bytes.fromhex(hex_hash), True)
@@ -187,6 +215,8 @@ class PrefixIndex:
             state.snapshot_cursor = snapshot.get("next")
         elif not batch["events"] and batch.get("reset"):
             state.last_seq = batch["last_seq"]
+        if len(state.blocks) > state.max_blocks:
+            raise ValueError(f"worker announced more blocks than its tiers hold ({state.max_blocks})")
         load = batch.get("load") or {}
         state.load = WorkerLoadReport(
             num_running=int(load.get("num_running", 0)),
@@ -210,7 +240,7 @@ class PrefixIndex:
         return state.write_pressure_blocks * math.exp(-age_s / WRITE_PRESSURE_TAU_S)
 
     @staticmethod
-    def _apply_event(state: WorkerIndex, event: Mapping[str, Any]) -> None:
+    def _apply_event(state: WorkerIndex, event: Mapping[str, Any], max_blocks: int) -> None:
         kind, medium = event["type"], event.get("medium", "L1")
         if kind == "AllBlocksCleared":
             for block_hash in [h for h, b in state.blocks.items() if medium in b.media]:
@@ -221,7 +251,7 @@ class PrefixIndex:
             if kind == "BlockStored":
                 block = state.blocks.get(block_hash)
                 if block is None:
-                    if len(state.blocks) >= state.max_blocks:
+                    if len(state.blocks) >= max_blocks:
                         raise ValueError(
                             f"worker announced more blocks than its tiers hold ({state.max_blocks})"
                         )

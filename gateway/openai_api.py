@@ -27,9 +27,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
-from gateway.ratelimit import requests_key
+from gateway.ratelimit import requests_key, tokens_key
+from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
-from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion, read_json
+from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from gateway.slow_clients import ClientStream
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -156,7 +158,9 @@ async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[s
 async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
     """Count a request's tokens (prompt + n × max_tokens) against the tenant's tokens per minute."""
     limit = call.tenant.rate_limit_tpm
-    decision = await request.config_dict[RATE_LIMITER].check(f"t:{call.tenant.tenant_id}", limit, num_tokens)
+    decision = await request.config_dict[RATE_LIMITER].check(
+        tokens_key(call.tenant.tenant_id), limit, num_tokens
+    )
     call.rate_headers.update(decision.headers("tokens"))
     if not decision.allowed:
         too_big = limit is not None and num_tokens > limit
@@ -248,9 +252,9 @@ def _served_model(request: web.Request, model_id: str) -> str:
 
 
 async def _serve(
-    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, formatter: Formatter
+    request: web.Request, call: TenantCall, body: ParsedBody, formatter: Formatter
 ) -> web.StreamResponse:
-    pipeline = request.config_dict[PIPELINE]
+    pipeline, parsed = request.config_dict[PIPELINE], body.request
     call.model, call.end_user = _served_model(request, parsed.model), parsed.user
     request.config_dict[UNKNOWN_FIELDS].report(call.endpoint, parsed.unknown_fields)
     call.admission_slots = await admit_choices(  # n choices count n requests (gateway/admission.py)
@@ -262,7 +266,7 @@ async def _serve(
     )
     upstream = request.config_dict[UPSTREAMS].upstream_for(parsed.model)
     if upstream is not None:  # an external OpenAI-compatible upstream (gateway.upstream_serve)
-        forwarded = await upstream_serve.prepare(request, call, parsed, upstream)
+        forwarded = await upstream_serve.prepare(request, call, parsed, upstream, body.raw)
         await check_token_limit(request, call, forwarded.num_limit_tokens)
         return await upstream_serve.respond(request, call, forwarded)
     parsed, tools = await _for_model(pipeline.resolve_model(parsed.model), parsed)
@@ -309,13 +313,14 @@ async def _stream(
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
             with _formatting(call):
                 first = writer.first()
             if first is not None:
-                await response.write(first)
+                await out.write(first)
             while item is not None:
                 index, event = item
                 if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
@@ -325,7 +330,7 @@ async def _stream(
                     with _formatting(call):
                         chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
                     if chunk:
-                        await response.write(chunk)
+                        await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
                 if event.get("type") == "final":
                     usages[index] = event.get("usage") or {}
@@ -334,15 +339,15 @@ async def _stream(
                     reason = event.get("finish_reason", "stop")
                     with _formatting(call):
                         chunk = writer.final(reason, usage if last else None, index)
-                    await response.write(chunk)
+                    await out.write(chunk)
                     call.delivered_tokens += held.pop(index, 0)
                     if last:  # every choice ended: the worker's usage is what was delivered
                         call.usage = usage
                 item = await anext(events, None)
         except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
             call.outcome = call.outcome or OUTCOME_SERVER_ERROR
-            await response.write(writer.error(exc.to_json(call.request_id)))
-        except ConnectionResetError:  # the client hung up: recorded, not an error of ours to log
+            await out.write(writer.error(exc.to_json(call.request_id)))
+        except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
             _cut(request, call)
             return response
         except asyncio.CancelledError:
@@ -350,8 +355,8 @@ async def _stream(
                 raise  # the client went away
             await _end_for_shutdown(call, response, writer)
             return response
-        await response.write(writer.done())
-        await response.write_eof()
+        await out.write(writer.done())
+        await out.write_eof()
     return response
 
 
@@ -372,14 +377,14 @@ async def _end_for_shutdown(
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with tenant_call(request, "chat.completions") as call:
-        parsed = parse_chat(await read_json(await request.read()))
-        return await _serve(request, call, parsed, openai_format.chat_completion)
+        body = await read_request(request, call.tenant.tenant_id, parse_chat)
+        return await _serve(request, call, body, openai_format.chat_completion)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     async with tenant_call(request, "completions") as call:
-        parsed = parse_completion(await read_json(await request.read()))
-        return await _serve(request, call, parsed, openai_format.completion)
+        body = await read_request(request, call.tenant.tenant_id, parse_completion)
+        return await _serve(request, call, body, openai_format.completion)
 
 
 async def prompt_lint(request: web.Request) -> web.Response:
@@ -392,7 +397,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)
     try:
         headers = await check_rate_limit(request, tenant)
-        parsed = parse_chat(await read_json(await request.read()))
+        parsed = (await read_request(request, tenant.tenant_id, parse_chat)).request
         pipeline = request.config_dict[PIPELINE]
         if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:
             message = (

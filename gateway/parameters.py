@@ -44,7 +44,7 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p("max_tokens", BOTH, "yes (capped by the context window and the tenant's limit)"),
     _p("max_completion_tokens", {CHAT}, "yes (same as max_tokens)"),
     _p("temperature", BOTH, "0 to 2"),
-    _p("top_p", BOTH, "0 to 1"),
+    _p("top_p", BOTH, "0 to 1 (0: the most likely token, sent on as 1e-9)"),
     _p("top_k", BOTH, "yes (extension, as vLLM)"),
     _p("seed", BOTH, "yes: same seed, same tokens"),
     _p("stop", BOTH, "up to 4 strings"),

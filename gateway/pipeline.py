@@ -40,7 +40,7 @@ from gateway.special_tokens import chat_encoding
 from gateway.upstream import WorkerDisconnected, WorkerNotStarted, error_from_event
 from gateway.workers import WorkerPool
 from policies.hashing import NamespaceSegment, block_hashes, segment_at
-from policies.isolation import namespace_segments
+from policies.isolation import namespace_segments, tenant_namespace_id
 from policies.promotion import BoundaryPrefix
 from tenancy.policy import TenantPolicy
 
@@ -140,6 +140,7 @@ class PreparedRequest:
     near_miss_exact_tokens: int | None = None  # near-miss route: the exact index's cached tokens there
     prefill_tokens: int = 0  # prompt tokens the worker is expected to compute (not cached there, per index)
     x_request_id: str = ""  # the client-facing request id (gateway.request_id), for the worker's logs
+    owner: str = ""  # the tenant's opaque tag: the worker's prefetch lane and budget share (not the data's)
 
     def near_miss_tokens(self, cached_tokens: int) -> int:
         """Cached tokens a near-miss route found beyond what the exact index predicted (0 otherwise)."""
@@ -175,6 +176,7 @@ class PreparedRequest:
             "stream": self.stream,
             "x_request_id": self.x_request_id,
             "cache": True,
+            **({"owner": self.owner} if self.owner else {}),
         }
 
 
@@ -338,6 +340,11 @@ class RequestPipeline:
             promoted_prefix_tokens=promoted_prefix_tokens,
         )
 
+    def owner(self, tenant: TenantPolicy) -> str:
+        """The tenant's opaque tag (never its id) that the worker queues prefetches and shares their
+        budget by: ``shared`` tenants have one namespace but are each a tenant (docs/worker-api.md)."""
+        return tenant_namespace_id(self._salt, tenant.tenant_id)
+
     def route(
         self,
         model: ModelRuntime,
@@ -391,7 +398,9 @@ class RequestPipeline:
             return self._router.choose(route_request)
         worker_url, hold_s = choose_and_hold(route_request)
         if hold_s > 0:
-            await self._prefix_index.wait_stored(worker_url, route_request.head_block, hold_s)
+            leader_of = getattr(self._router, "leader_of", None)
+            leader_id = leader_of(route_request) if leader_of is not None else ""
+            await self._prefix_index.wait_stored(worker_url, route_request.head_block, hold_s, leader_id)
         return worker_url
 
     def abandon(self, route_request: RouteRequest | None) -> None:
@@ -403,7 +412,8 @@ class RequestPipeline:
             return
         url = drop_placement(route_request)
         if url is not None and self._prefix_index is not None and route_request.head_block is not None:
-            self._prefix_index.release(url, route_request.head_block)
+            # Only this leader's followers: another leader may be computing the same block there.
+            self._prefix_index.release(url, route_request.head_block, route_request.request_id)
 
     def prefilled(self, prepared: PreparedRequest) -> None:
         """The request's first token came from its worker, so its prompt's blocks are cached there: if it
@@ -414,7 +424,9 @@ class RequestPipeline:
         if leader_prefilled is None or route_request is None or route_request.head_block is None:
             return
         if leader_prefilled(route_request, prepared.worker_url) and self._prefix_index is not None:
-            self._prefix_index.release(prepared.worker_url, route_request.head_block, stored=True)
+            self._prefix_index.release(
+                prepared.worker_url, route_request.head_block, route_request.request_id, stored=True
+            )
 
     async def prepare(
         self,
@@ -476,6 +488,7 @@ class RequestPipeline:
             near_miss_exact_tokens=near_miss_exact_tokens,
             prefill_tokens=max(1, len(token_ids) - cached_blocks * model.block_size),
             x_request_id=x_request_id,
+            owner=self.owner(tenant),
         )
 
     def served(self, prepared: PreparedRequest) -> None:

@@ -2,13 +2,16 @@
 
 ``LocalRateLimiter`` counts in this process (a weighted sliding window): with several gateway replicas
 each one allows the full rate. ``RedisRateLimiter`` shares a fixed one-minute window between replicas
-through Redis (``INCRBY`` + ``EXPIRE`` in one round trip, only for tenants that have a limit). While
-Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an error (like the
-hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per request.
+through Redis (one Lua script that counts a check only if it fits: one round trip, only for tenants that
+have a limit). While Redis fails or hangs it limits locally and **pauses** Redis for ``pause_s`` after an
+error (like the hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per
+request.
 
 Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report. ``refund``
 gives back units counted for a request that was refused later (a request with ``n`` choices counts one
-request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing).
+request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing), or that a
+check over-estimated; ``charge`` counts units a check under-estimated (an external upstream's prompt is
+checked at characters / 4, then corrected with the tokens the upstream reports: gateway.upstream_serve).
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ class RateLimiter(Protocol):
         """Give back ``cost`` units counted by an allowed ``check`` of ``key`` (never below zero)."""
         ...
 
+    async def charge(self, key: str, cost: int) -> None:
+        """Count ``cost`` more units for ``key`` without refusing (past the limit too): what an allowed
+        request used beyond its check. The requests that follow are refused on them."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -108,6 +116,11 @@ class LocalRateLimiter:
             if units > taken:
                 hits.append((at, units - taken))
 
+    async def charge(self, key: str, cost: int) -> None:
+        if cost > 0:
+            self._hits.setdefault(key, deque()).append((time.monotonic(), cost))
+            self._used[key] = self._used.get(key, 0) + cost
+
     async def check(self, key: str, limit_per_window: int | None, cost: int = 1) -> RateDecision:
         return self.check_at(key, limit_per_window, cost, time.monotonic())
 
@@ -146,11 +159,9 @@ class RedisRateLimiter:
         window = int(now // WINDOW_S)
         redis_key = f"{self._prefix}:{key}:{window}"
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                count, _ = await pipe.incrby(redis_key, cost).expire(redis_key, int(2 * WINDOW_S)).execute()
-            count = int(count)
-            if count > limit_per_window and cost > 1:
-                await self._redis.decrby(redis_key, cost)  # a refused request uses no tokens
+            count = int(
+                await self._redis.eval(_CHECK_LUA, 1, redis_key, cost, limit_per_window, int(2 * WINDOW_S))
+            )
         except Exception as exc:  # Redis down or hung: limit locally and leave Redis alone a while
             self.num_errors += 1
             log.warning("rate limiter: Redis unavailable, limiting locally for %.0fs: %s", self._pause_s, exc)
@@ -174,9 +185,37 @@ class RedisRateLimiter:
             log.warning("rate limiter: Redis unavailable, refund of %d for %s lost: %s", cost, key, exc)
             self._paused_until = time.monotonic() + self._pause_s
 
+    async def charge(self, key: str, cost: int) -> None:
+        if cost <= 0:
+            return
+        if self.paused:
+            await self._fallback.charge(key, cost)
+            return
+        redis_key = f"{self._prefix}:{key}:{int(time.time() // WINDOW_S)}"
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                await pipe.incrby(redis_key, cost).expire(redis_key, int(2 * WINDOW_S)).execute()
+        except Exception as exc:  # counted here, for the pause (the other replicas do not see it)
+            self.num_errors += 1
+            log.warning("rate limiter: Redis unavailable, limiting locally for %.0fs: %s", self._pause_s, exc)
+            self._paused_until = time.monotonic() + self._pause_s
+            await self._fallback.charge(key, cost)
+
     async def close(self) -> None:
         await self._redis.aclose()
 
+
+# Counts ``cost`` only if it fits, in one atomic step: a refused check counts nothing, like the local
+# limiter's (review r6: a refused single unit kept counted refused a later request the limit allows), and
+# never shows an over-count to a concurrent check. Answers the count with this check's cost either way.
+_CHECK_LUA = """
+local cost = tonumber(ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used + cost > tonumber(ARGV[2]) then return used + cost end
+local count = redis.call('INCRBY', KEYS[1], cost)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return count
+"""
 
 _REFUND_LUA = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -189,6 +228,11 @@ return used
 def requests_key(tenant_id: str) -> str:
     """The limiter key of a tenant's requests per minute."""
     return f"r:{tenant_id}"
+
+
+def tokens_key(tenant_id: str) -> str:
+    """The limiter key of a tenant's tokens per minute."""
+    return f"t:{tenant_id}"
 
 
 def format_reset(reset_s: float) -> str:

@@ -205,12 +205,18 @@ class KVAwareRouter:
             self._placed.popitem(last=False)
         return url, 0.0
 
+    def leader_of(self, request: RouteRequest) -> str:
+        """The request id of the leader whose placement ``request`` follows ("" when none is remembered):
+        a follower waits for that leader's prefill, and only its drop releases the follower."""
+        placed = self._placed.get(request.affinity_key) if request.affinity_key is not None else None
+        return "" if placed is None else placed[3]
+
     def leader_prefilled(self, request: RouteRequest, url: str) -> bool:
         """``request`` had its first token from ``url``: if it is the leader of the placement remembered
         for its key there, its prefix is cached on that worker now, so its followers need not wait any
         longer (True: release those waiting), and later ones do not wait at all. The KV event saying so
-        comes later (the worker's long-poll, then the gateway's index): a follower woken by it waited
-        that much longer than its leader's prefill."""
+        comes later (the worker's long-poll, then the gateway's index: a few ms on one gateway here,
+        more when the event stream lags), and a follower woken by it waited that much longer."""
         if not self.release_at_first_token:
             return False
         key = request.affinity_key

@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.errors import InvalidRequest
+from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.json_body import MAX_JSON_DEPTH, read_json  # noqa: F401 - re-exported for the handlers
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.structured_output import response_format_grammar
 
+# top_p 0 (OpenAI: the most likely token) as sent on: the worker, vLLM and SGLang take (0, 1], and a
+# nucleus this small is that one token (the most likely has at least 1 / vocabulary of the mass).
+SMALLEST_TOP_P = 1e-9
 MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" anyway; beyond int32 the worker cannot index them
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -212,7 +215,7 @@ def _common(
     sampling = SamplingParams(
         max_tokens=_max_tokens(body, max_token_names),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or SMALLEST_TOP_P,
         top_k=top_k,
         seed=seed,
         stop=_stop(body),
@@ -397,7 +400,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     )
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+def _prompt(body: Mapping[str, Any], max_prompt_ids: int | None) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequest("'prompt' is required", param="prompt", code="missing_required_parameter")
@@ -405,14 +408,22 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
-    ):
+    if isinstance(prompt, list) and max_prompt_ids is not None and len(prompt) > max_prompt_ids:
+        raise ContextLengthExceeded(  # from the length: a million ids are never walked to learn it
+            f"This model's maximum context length is at most {max_prompt_ids} tokens. However, your "
+            f"prompt has {len(prompt)} tokens. Please reduce the length of the prompt.",
+            param="prompt",
+        )
+    # C-speed passes (type() is bool for true/false, so they are refused too): a Python loop over a
+    # long list took ~0.2 s per million ids.
+    if isinstance(prompt, list) and set(map(type, prompt)) <= {int} and (not prompt or min(prompt) >= 0):
         return tuple(prompt)
     raise _type_error("prompt", "a string, an array of token ids, or a batch of one of them")
 
 
-def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
+def parse_completion(body: Mapping[str, Any], *, max_prompt_ids: int | None = None) -> CompletionRequest:
+    """A completions request; ``max_prompt_ids``: the most token ids its prompt may hold (the model's
+    context window; None: no bound here), checked before the ids are."""
     common = _common(body, ("max_tokens",), _completion_logprobs(body))
     if common["sampling"].max_tokens is None:  # OpenAI's /v1/completions default
         common["sampling"] = replace(common["sampling"], max_tokens=16)
@@ -423,4 +434,5 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     best_of = _opt(body, "best_of", int, "an integer")
     if best_of is not None and best_of not in (1, common["sampling"].n):
         raise _unsupported("best_of", "'best_of' greater than 'n' is not supported")
-    return CompletionRequest(prompt=_prompt(body), unknown_fields=_unknown(body, COMPLETIONS), **common)
+    prompt = _prompt(body, max_prompt_ids)
+    return CompletionRequest(prompt=prompt, unknown_fields=_unknown(body, COMPLETIONS), **common)

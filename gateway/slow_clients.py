@@ -9,19 +9,26 @@
   (404), a wrong method (405) or a route that authorizes nothing never has its body read. The bodies
   being read at once hold at most ``max_reading_bytes`` between them, and one tenant (or the admin) at
   most half of it (503 past either): slow uploads cannot fill the gateway's memory, nor starve others.
+- A streamed answer's client must accept each chunk within ``stream_write_timeout_s`` (``ClientStream``):
+  one that stops reading fills the socket buffers and would block the write, and with it the request's
+  admission slots, its usage record and the generation, for as long as it keeps the socket open. It is
+  cut instead (the connection aborted, ``StalledClient``), as a client that hung up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import web
 
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
+
+log = logging.getLogger(__name__)
 
 STARTED = web.AppKey("started_transports", weakref.WeakSet)  # transports that delivered a request head
 
@@ -84,6 +91,45 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
         return await handler(request)
 
     return middleware
+
+
+class StalledClient(ConnectionResetError):
+    """A stream's client accepted no chunk within the write timeout: handled as a client that hung up."""
+
+
+class ClientStream:
+    """A prepared streaming response whose every write must be taken by the client within ``timeout_s``.
+
+    A write waits only while the connection's buffers are full (the client is not reading); past the
+    deadline the connection is aborted (``close`` would wait to flush them) and ``StalledClient`` is
+    raised, so the handler ends and gives back what it holds."""
+
+    __slots__ = ("request", "response", "timeout_s")
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:
+        self.request, self.response, self.timeout_s = request, response, timeout_s
+
+    async def write(self, data: bytes) -> None:
+        await self._within(self.response.write(data))
+
+    async def write_eof(self) -> None:
+        await self._within(self.response.write_eof())
+
+    async def _within(self, sending: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await sending
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            log.info(
+                "cut a %s stream to %s: the client accepted nothing for %g s",
+                self.request.path,
+                self.request.remote,
+                self.timeout_s,
+            )
+            raise StalledClient(f"the client accepted nothing for {self.timeout_s:g} s") from None
 
 
 class JSONErrorRequestHandler(web.RequestHandler):

@@ -3,6 +3,7 @@
     authenticate (tenant_call) → prompt-size check → canonicalize (chat) → tenant max_tokens limit
         → namespace key → isolation field + affinity route → token limit (estimated) → forward
         → answer / SSE relay with our id and model → usage from the upstream's ``usage``
+        → token limit corrected with that usage (``settle_token_limit``)
 
 What the bundled path does with token ids (context window, promotion, KV index) needs the model's
 tokenizer, which an external upstream does not share: the upstream checks its own context window
@@ -28,8 +29,10 @@ from gateway.billing import TenantCall
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
-from gateway.schemas import ChatRequest, CompletionRequest, read_json
-from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
+from gateway.ratelimit import tokens_key
+from gateway.schemas import ChatRequest, CompletionRequest
+from gateway.slow_clients import ClientStream
+from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, RATE_LIMITER, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
 from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_SERVER_ERROR, OUTCOME_USAGE_UNREPORTED
@@ -106,6 +109,8 @@ def _body(
         if key in names and key not in CLIENT_ISOLATION_FIELDS and key not in PRIVATE_FIELDS
     }
     body["model"] = route.model
+    if body.get("top_p") == 0:  # vLLM and SGLang refuse 0: the same nucleus of one token
+        body["top_p"] = request.sampling.top_p
     if isinstance(request, ChatRequest):
         body["messages"] = list(request.messages)
         if request.tools:
@@ -123,9 +128,14 @@ def _body(
 
 
 async def prepare(
-    request: web.Request, call: TenantCall, parsed: ChatRequest | CompletionRequest, upstream: OpenAIUpstream
+    request: web.Request,
+    call: TenantCall,
+    parsed: ChatRequest | CompletionRequest,
+    upstream: OpenAIUpstream,
+    raw: dict[str, Any],
 ) -> ForwardedRequest:
-    """Checks, canonicalization, isolation and route of a request for ``upstream``."""
+    """Checks, canonicalization, isolation and route of a request for ``upstream``; ``raw`` is its
+    body as sent (``parsed`` from it)."""
     app = request.config_dict
     config, pipeline = app[CONFIG], app[PIPELINE]
     num_chars, param = _num_prompt_chars(parsed)
@@ -150,7 +160,6 @@ async def prepare(
     head = _prompt_head(parsed, config.affinity_blocks * 64)
     route = app[UPSTREAMS].route(parsed.model, affinity_key(namespace_key, head, parsed.prompt_cache_key))
     isolation = upstream.isolation_fields(namespace_key, parsed.prompt_cache_key)
-    raw = await read_json(await request.read())
     num_prompt_estimate = -(-num_chars // CHARS_PER_TOKEN_ESTIMATE)
     num_new = (max_tokens or config.default_max_tokens) * parsed.sampling.n
     chat = isinstance(parsed, ChatRequest)
@@ -215,6 +224,32 @@ def client_usage(billed: dict[str, Any], forwarded: ForwardedRequest, call: Tena
     }
 
 
+def num_limit_tokens_used(call: TenantCall, forwarded: ForwardedRequest) -> int | None:
+    """What the request counts against the tenant's tokens per minute once the upstream has counted:
+    its prompt + n × max_tokens as the check counts them (the completion instead, when it is longer:
+    a request without max_tokens may pass the default). None: the upstream reported nothing."""
+    usage = call.usage if call.usage is not None else call.prompt_usage
+    if usage is None:
+        return None
+    completion = int(usage.get("completion_tokens", call.delivered_tokens))
+    num_reserved = forwarded.num_limit_tokens - forwarded.num_prompt_estimate
+    return int(usage["prompt_tokens"]) + max(num_reserved, completion)
+
+
+async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> None:
+    """Correct the tenant's tokens-per-minute window, which the check charged the characters / 4
+    estimate, with the tokens the upstream reported (more or fewer): a prompt the estimate undercounts
+    (one token a character) must not let a tenant past its limit through an external upstream."""
+    used = num_limit_tokens_used(call, forwarded)
+    if not call.tenant.rate_limit_tpm or used is None or used == forwarded.num_limit_tokens:
+        return
+    limiter, key = request.config_dict[RATE_LIMITER], tokens_key(call.tenant.tenant_id)
+    if used > forwarded.num_limit_tokens:
+        await limiter.charge(key, used - forwarded.num_limit_tokens)
+    else:
+        await limiter.refund(key, forwarded.num_limit_tokens - used)
+
+
 def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:
     if forwarded.path != "/chat/completions":
         return dict(call.rate_headers)
@@ -234,6 +269,7 @@ async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         data.pop("usage", None)  # whatever it was, it is not a usage the client can read
     else:
         data["usage"] = client_usage(billed, forwarded, call)
+    await settle_token_limit(request, call, forwarded)
     data.update(id=call.completion_id, model=forwarded.request.model)
     return json_response(data, headers=_headers(call, forwarded))
 
@@ -336,23 +372,28 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
         response = await start_event_stream(request, _headers(call, forwarded))
         call.headers_sent = True
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
         try:
             while chunk is not None:
                 data = relay.chunk(chunk)
                 if data:
-                    await response.write(data)
+                    await out.write(data)
                 relay.sent()
                 chunk = await anext(events, None)
         except (asyncio.CancelledError, ConnectionResetError):
             relay.cut(lambda: _num_prompt_tokens(request, call, forwarded))
+            # Its own task: the handler is being cancelled, the correction must still land.
+            await asyncio.shield(asyncio.ensure_future(settle_token_limit(request, call, forwarded)))
             raise
         except APIError as exc:
             call.outcome = OUTCOME_SERVER_ERROR
-            await response.write(ChunkWriter.error(exc.to_json(call.request_id)))
+            await settle_token_limit(request, call, forwarded)  # the usage of the chunks relayed, if any
+            await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
         else:
             final = relay.finish()
+            await settle_token_limit(request, call, forwarded)  # before the client sees the end
             if final:
-                await response.write(final)
-        await response.write(ChunkWriter.done())
-        await response.write_eof()
+                await out.write(final)
+        await out.write(ChunkWriter.done())
+        await out.write_eof()
     return response

@@ -8,7 +8,9 @@ to follow from the accesses it sees:
 - **Shadows.** Each expert also runs on a shadow cache of the same capacity that holds ids only and sees
   every access (hits and misses of the real cache alike): what that expert would have hit alone.
 - **Followers.** Each expert also orders the real resident blocks. ``evict`` asks the leader for the
-  victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists.
+  victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists. Behind an
+  owner that evicts leaves only (``declare_leaf_only``) the LRU and ARC followers are
+  ``eviction_leaves``' versions: the same victims, without asking about inner blocks.
 - **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
   they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
   every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead
@@ -29,76 +31,21 @@ most ``max_shadow_blocks`` ids each whatever the capacity.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+from policies.eviction_leaves import LeafARCPolicy, LeafLRUPolicy
 from policies.eviction_lru import LRUPolicy
 from policies.eviction_prefix import PrefixAwarePolicy
+from policies.eviction_shadow import ARCShadow, LRUShadow, PolicyShadow, Shadow, walk_hits
 
 _EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, ARCPolicy, LRUPolicy)
+# The same experts' victims behind an owner that evicts leaves only, without asking about inner blocks
+_LEAF_ONLY_EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, LeafARCPolicy, LeafLRUPolicy)
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
 _RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
-
-
-@dataclass(slots=True)
-class _Shadow:
-    """One expert on an id-only prefix store of its own: what it would have hit running alone.
-
-    It keeps the owner's rules (a prompt's blocks are pinned while it runs, only leaves are evicted) so
-    that its score tracks the expert's own hit ratio, and counts prefix-usable hits only: a hit whose
-    parent was the previous access and was usable (owners report a prompt's blocks in order).
-    """
-
-    policy: EvictionPolicy
-    capacity_blocks: int
-    sampled: bool  # sees one id in ``sample_rate``: no chains to follow, every hit counts
-    parent_of: dict[BlockId, BlockId | None] = field(default_factory=dict)  # resident -> resident parent
-    num_children: dict[BlockId, int] = field(default_factory=dict)  # resident -> resident children
-    pinned: set[BlockId] = field(default_factory=set)  # blocks of the prompt being replayed
-    last_position: int = -1  # position of the previous access (a drop starts a new prompt)
-    last_usable: BlockId | None = None  # the previous access, if it was a usable hit
-
-    def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
-        """Replay one access of the real cache's stream; True if it was a prefix-usable hit."""
-        if meta.position <= self.last_position:
-            self.pinned.clear()
-        self.last_position = meta.position
-        if block_id in self.parent_of:
-            usable = self.sampled or meta.position == 0 or meta.parent == self.last_usable
-            self.last_usable = block_id if usable else None
-            self.pinned.add(block_id)
-            self.policy.on_hit(block_id, now)
-            return usable
-        self.last_usable = None
-        self.policy.on_miss(block_id, now)
-        if len(self.parent_of) >= self.capacity_blocks:
-            victim = self.policy.evict(self._can_evict)
-            if victim is None:
-                return False
-            victim_parent = self.parent_of.pop(victim)
-            if victim_parent is not None:
-                left = self.num_children[victim_parent] - 1
-                if left:
-                    self.num_children[victim_parent] = left
-                else:
-                    del self.num_children[victim_parent]
-        parent = meta.parent if meta.parent in self.parent_of and not self.sampled else None
-        if parent is not None:
-            self.num_children[parent] = self.num_children.get(parent, 0) + 1
-        self.parent_of[block_id] = parent
-        self.pinned.add(block_id)
-        self.policy.on_insert(block_id, meta, now)
-        return False
-
-    def _can_evict(self, block_id: BlockId) -> bool:
-        return block_id not in self.pinned and block_id not in self.num_children
-
-    @property
-    def is_full(self) -> bool:
-        return len(self.parent_of) >= self.capacity_blocks
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -119,11 +66,11 @@ class AdaptivePolicy(EvictionPolicy):
         self.sample_rate = max(1, capacity // self.max_shadow_blocks)
         shadow_capacity = max(1, capacity // self.sample_rate)
         self._followers = [expert(capacity) for expert in _EXPERTS]
-        self._shadows = [
-            _Shadow(
-                policy=expert(shadow_capacity), capacity_blocks=shadow_capacity, sampled=self.sample_rate > 1
-            )
-            for expert in _EXPERTS
+        sampled = self.sample_rate > 1
+        self._shadows: list[Shadow] = [  # in the order of _EXPERTS
+            PolicyShadow(PrefixAwarePolicy(shadow_capacity), sampled=sampled),
+            ARCShadow(shadow_capacity, sampled=sampled),
+            LRUShadow(shadow_capacity, sampled=sampled),
         ]
         self._decay = 0.5 ** (1.0 / (self.half_life_factor * shadow_capacity))
         self.leader = self.initial_leader  # index into the experts, until the shadows show otherwise
@@ -138,6 +85,13 @@ class AdaptivePolicy(EvictionPolicy):
         return self._followers[self.leader].name
 
     # -- owner calls ---------------------------------------------------------------------------------
+
+    def declare_leaf_only(self) -> None:
+        """Follow with ``eviction_leaves``' LRU and ARC: the same victims, fewer ``can_evict`` calls."""
+        if self._meta:
+            raise RuntimeError("declare_leaf_only() comes before the first insert")
+        capacity = max(self.capacity_blocks, 1)
+        self._followers = [expert(capacity) for expert in _LEAF_ONLY_EXPERTS]
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         for follower in self._followers:
@@ -157,6 +111,51 @@ class AdaptivePolicy(EvictionPolicy):
             follower.on_hit(block_id, now)
         self._observe(block_id, meta, now, hit=True)
 
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        meta_of = self._meta
+        known = [block_id for block_id in block_ids if block_id in meta_of]
+        if not known:
+            return
+        for follower in self._followers:
+            follower.on_hits(known, now)
+        if self.sample_rate > 1:
+            known = [block_id for block_id in known if not self._skips(block_id)]
+        metas = [meta_of[block_id] for block_id in known]
+        # A shadow that holds the whole prompt (most do, most of the time) replays it in bulk; its prompt
+        # walk depends only on where the shadow's previous access left it, so it is shared.
+        known_set, walk, walk_start = set(known), None, None
+        columns: list[list[bool]] = []
+        for shadow in self._shadows:
+            start = (shadow.last_position, shadow.last_usable)
+            if (walk is None or start == walk_start) and shadow.holds_all(known_set):
+                if walk is None:
+                    walk, walk_start = walk_hits(known, metas, *start, sampled=shadow.sampled), start
+                shadow.hit_all(known, walk, now)
+                columns.append(walk.usable)
+            else:
+                columns.append(shadow.access_many(known, metas, now))
+        if walk is not None and all(column is walk.usable for column in columns) and all(walk.usable):
+            self._tally_all_hit(len(known))
+            return
+        row0, row1, row2, row3 = self._wins
+        decay, weight = self._decay, self._weight
+        for prefix_hit, arc_hit, lru_hit in zip(*columns, strict=True):
+            if prefix_hit and arc_hit and lru_hit:  # ``_tally``'s path where no arm differs, inlined
+                weight /= decay
+                row0[0] += weight
+                row1[1] += weight
+                row2[2] += weight
+                row3[3] += weight
+                if weight > _RESCALE_AT:
+                    self._weight = weight
+                    self._rescale()
+                    weight = self._weight
+            else:
+                self._weight = weight
+                self._tally(prefix_hit, arc_hit, lru_hit, True)
+                weight = self._weight
+        self._weight = weight
+
     def on_remove(self, block_id: BlockId) -> None:
         self._forget(block_id)
         for follower in self._followers:
@@ -168,14 +167,15 @@ class AdaptivePolicy(EvictionPolicy):
             follower.on_evicted(block_id)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
-        order = [self.leader, *(i for i in range(len(self._followers)) if i != self.leader)]
+        followers = self._followers
+        order = (self.leader, *(i for i in range(len(followers)) if i != self.leader))
         for index in order:  # the others only when the leader has no evictable block
-            victim = self._followers[index].evict(can_evict)
+            victim = followers[index].evict(can_evict)
             if victim is not None:
-                self._forget(victim)
-                for other, follower in enumerate(self._followers):
+                self._meta.pop(victim, None)
+                for other in order:
                     if other != index:
-                        follower.on_evicted(victim)
+                        followers[other].on_evicted(victim)
                 return victim
         return None
 
@@ -190,22 +190,35 @@ class AdaptivePolicy(EvictionPolicy):
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
 
+    def _skips(self, block_id: BlockId) -> bool:
+        """Whether sampled shadows leave this id out (they see one id in ``sample_rate``)."""
+        return bool((((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate)
+
     def _observe(self, block_id: BlockId, meta: BlockMeta, now: float, *, hit: bool) -> None:
         """One access of the stream: every shadow replays it, then the leader may change."""
-        if self.sample_rate > 1 and (((block_id * _SAMPLE_MULTIPLIER) & _MASK_64) >> 32) % self.sample_rate:
+        if self.sample_rate > 1 and self._skips(block_id):
             return
+        prefix, arc, lru = self._shadows
+        self._tally(
+            prefix.access(block_id, meta, now),
+            arc.access(block_id, meta, now),
+            lru.access(block_id, meta, now),
+            hit,
+        )
+
+    def _tally(self, prefix_hit: bool, arc_hit: bool, lru_hit: bool, hit: bool) -> None:
+        """Count one access's hits in the arms (the three shadows, then the real cache); maybe switch."""
         self._weight /= self._decay  # a hit now weighs 1 / decay more than one an access ago
         weight = self._weight
-        hits = [shadow.access(block_id, meta, now) for shadow in self._shadows]
-        hits.append(hit)  # the real cache is the last arm
         wins = self._wins
-        if hits.count(hit) == len(hits):  # no arm differs: no evidence for a switch, only hit counts
+        if prefix_hit is hit and arc_hit is hit and lru_hit is hit:  # no arm differs: only hit counts
             if hit:
                 for i, row in enumerate(wins):
                     row[i] += weight
             if weight > _RESCALE_AT:
                 self._rescale()
             return
+        hits = (prefix_hit, arc_hit, lru_hit, hit)
         for i, hit_i in enumerate(hits):
             if hit_i:
                 row = wins[i]
@@ -215,6 +228,28 @@ class AdaptivePolicy(EvictionPolicy):
         if weight > _RESCALE_AT:
             self._rescale()
         self.leader = self._next_leader()
+
+    def _tally_all_hit(self, num_accesses: int) -> None:
+        """``_tally(True, True, True, True)`` ``num_accesses`` times: the same float operations, in locals."""
+        wins, decay, weight = self._wins, self._decay, self._weight
+        hits = [wins[i][i] for i in range(len(wins))]
+        prefix_hits, arc_hits, lru_hits, real_hits = hits
+        for _ in range(num_accesses):
+            weight /= decay
+            prefix_hits += weight
+            arc_hits += weight
+            lru_hits += weight
+            real_hits += weight
+            if weight > _RESCALE_AT:
+                for i, count in enumerate((prefix_hits, arc_hits, lru_hits, real_hits)):
+                    wins[i][i] = count
+                self._weight = weight
+                self._rescale()
+                weight = self._weight
+                prefix_hits, arc_hits, lru_hits, real_hits = (wins[i][i] for i in range(len(wins)))
+        for i, count in enumerate((prefix_hits, arc_hits, lru_hits, real_hits)):
+            wins[i][i] = count
+        self._weight = weight
 
     def _next_leader(self) -> int:
         """The expert whose shadow beats both the leader's shadow and the real cache by the most."""

@@ -16,7 +16,7 @@ evictable block, the other list gives one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 
@@ -73,6 +73,15 @@ class ARCPolicy(EvictionPolicy):
             self._t2[block_id] = None
         elif block_id in self._t2:
             self._t2.move_to_end(block_id)
+
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        t1, t2 = self._t1, self._t2
+        for block_id in block_ids:
+            if block_id in t1:
+                del t1[block_id]
+                t2[block_id] = None
+            elif block_id in t2:
+                t2.move_to_end(block_id)
 
     def on_remove(self, block_id: BlockId) -> None:
         if self._t1.pop(block_id, False) is False:

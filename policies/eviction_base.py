@@ -7,10 +7,13 @@ running request, or blocks that still have cached children, are not evictable) a
 
 Call sequence for one block access, as the owner makes it:
 
-- hit: ``on_hit(block_id, now)``;
+- hit: ``on_hit(block_id, now)`` (or ``on_hits`` for a prompt's reused blocks at once);
 - miss: ``on_miss(block_id, now)`` (optional for owners; ghost-based policies use it to see the
   block's history before the evictions that make room for it), then ``evict(can_evict)`` as many times
   as room is needed, then ``on_insert(block_id, meta, now)`` once the block holds its data.
+
+An owner whose ``can_evict`` refuses every block with resident children says so once, before the first
+insert, with ``declare_leaf_only()``; policies may then skip those blocks without asking.
 
 Policies import nothing of ours beyond ``policies``: they are pure, deterministic and do no I/O.
 """
@@ -18,7 +21,7 @@ Policies import nothing of ours beyond ``policies``: they are pure, deterministi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NewType
 
@@ -57,6 +60,15 @@ class EvictionPolicy(ABC):
     def on_hit(self, block_id: BlockId, now: float) -> None:
         """A resident block was reused."""
 
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        """``on_hit`` for each of ``block_ids`` in order (a prompt's reused blocks, root first).
+
+        One call per request instead of one per block; policies override it where a loop of their own
+        is cheaper. It must leave the policy exactly as the ``on_hit`` calls would.
+        """
+        for block_id in block_ids:
+            self.on_hit(block_id, now)
+
     def on_miss(self, block_id: BlockId, now: float) -> None:  # noqa: B027 - optional hook, no-op default
         """A lookup for ``block_id`` missed; called before the evictions that make room for it.
 
@@ -67,6 +79,15 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_remove(self, block_id: BlockId) -> None:
         """A resident block left the cache for a reason other than ``evict`` (purge, stranded)."""
+
+    def declare_leaf_only(self) -> None:  # noqa: B027 - optional hook, no-op default
+        """The owner's promise, made before the first ``on_insert``: its ``can_evict`` refuses every block
+        that has a tracked child (a block inserted with it as ``BlockMeta.parent``, not evicted or removed
+        since). A policy may then skip such blocks without asking; none may evict differently for it.
+
+        Prefix stores that evict leaves only make it (the worker's ``BlockManager``, the prefix replay);
+        flat owners, for which any block may go, do not.
+        """
 
     def on_evicted(self, block_id: BlockId) -> None:
         """The owner evicted a resident block that another policy chose (a policy run beside others).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 
@@ -24,6 +24,12 @@ class LRUPolicy(EvictionPolicy):
     def on_hit(self, block_id: BlockId, now: float) -> None:
         if block_id in self._order:
             self._order.move_to_end(block_id)
+
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        order = self._order
+        for block_id in block_ids:
+            if block_id in order:
+                order.move_to_end(block_id)
 
     def on_remove(self, block_id: BlockId) -> None:
         self._order.pop(block_id, None)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
@@ -77,6 +77,10 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._leaves: tuple[list[tuple[float, BlockId]], ...] = ([], [])  # per segment; stale entries allowed
         self._history: OrderedDict[BlockId, tuple[int, int]] = OrderedDict()  # id -> (accesses, first clock)
         self._recent_victims = (OrderedDict[BlockId, None](), OrderedDict[BlockId, None]())
+        # The block inserted last, a leaf not yet in its heap. A prompt's blocks are inserted root first,
+        # so the next insert is most often its child and its entry would only go stale; it is ranked
+        # when another block is inserted, or when an eviction could take it.
+        self._unranked: BlockId | None = None
 
     # -- owner calls ---------------------------------------------------------------------------------
 
@@ -91,6 +95,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         parent = meta.parent if meta.parent in self._blocks else None
         if parent is not None:
             self._blocks[parent].num_children += 1
+            if parent == self._unranked:
+                self._unranked = None  # an inner block now: never ranked until it is a leaf again
         segment = PROTECTED if num_accesses >= 2 else PROBATION
         block = _Block(
             parent=parent,
@@ -103,7 +109,9 @@ class PrefixAwarePolicy(EvictionPolicy):
         )
         self._blocks[block_id] = block
         self._num_blocks[segment] += 1
-        self._rank(block_id, block)
+        if self._unranked is not None:
+            self._rank_unranked(self._unranked)
+        self._unranked = block_id
 
     def on_hit(self, block_id: BlockId, now: float) -> None:
         block = self._blocks.get(block_id)
@@ -118,6 +126,23 @@ class PrefixAwarePolicy(EvictionPolicy):
             block.segment = PROTECTED
         self._rank(block_id, block)
 
+    def on_hits(self, block_ids: Sequence[BlockId], now: float) -> None:
+        blocks, num_blocks, clock = self._blocks, self._num_blocks, self._clock
+        for block_id in block_ids:
+            block = blocks.get(block_id)
+            if block is None:
+                continue
+            clock += 1
+            block.num_accesses += 1
+            block.last_clock = clock
+            if block.segment == PROBATION:
+                num_blocks[PROBATION] -= 1
+                num_blocks[PROTECTED] += 1
+                block.segment = PROTECTED
+            if block.num_children == 0:
+                self._push_leaf(block_id, block)
+        self._clock = clock
+
     def on_remove(self, block_id: BlockId) -> None:
         if block_id in self._blocks:
             self._forget(block_id)
@@ -129,6 +154,9 @@ class PrefixAwarePolicy(EvictionPolicy):
             self._remember_victim(block.segment, block_id)
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
+        unranked = self._unranked
+        if unranked is not None and can_evict(unranked):  # else it cannot be the victim now
+            self._rank_unranked(unranked)
         over_target = self._num_blocks[PROBATION] > self.target_probation_blocks
         order = (PROBATION, PROTECTED) if over_target else (PROTECTED, PROBATION)
         for segment in order:
@@ -162,16 +190,25 @@ class PrefixAwarePolicy(EvictionPolicy):
         if len(recent) > self.probe_window:
             recent.popitem(last=False)
 
+    def _rank_unranked(self, block_id: BlockId) -> None:
+        """Rank ``block_id``, the block inserted last (resident: leaving the cache unsets it)."""
+        self._unranked = None
+        block = self._blocks[block_id]
+        if block.num_children == 0:
+            self._push_leaf(block_id, block)
+
     def _rank(self, block_id: BlockId, block: _Block) -> None:
+        # Only leaves are ranked: an inner block's key is computed when it becomes a leaf (in
+        # ``_push_leaf``), from the same fields, so it is the key this access would have given it.
+        if block.num_children == 0:
+            self._push_leaf(block_id, block)
+
+    def _push_leaf(self, block_id: BlockId, block: _Block) -> None:
         if block.segment == PROBATION:
             block.key = float(block.last_clock)
         else:
             span = block.last_clock - block.first_clock + self.rate_prior
             block.key = block.last_clock + self.recency_scale * math.log(block.num_accesses / span)
-        if block.num_children == 0:
-            self._push_leaf(block_id, block)
-
-    def _push_leaf(self, block_id: BlockId, block: _Block) -> None:
         heap = self._leaves[block.segment]
         heapq.heappush(heap, (block.key, block_id))
         if len(heap) > 2 * len(self._blocks) + 64:
@@ -182,7 +219,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         live = [
             (block.key, block_id)
             for block_id, block in self._blocks.items()
-            if block.segment == segment and block.num_children == 0
+            if block.segment == segment and block.num_children == 0 and block_id != self._unranked
         ]
         heapq.heapify(live)
         self._leaves[segment][:] = live
@@ -211,6 +248,8 @@ class PrefixAwarePolicy(EvictionPolicy):
     def _forget(self, block_id: BlockId) -> None:
         """Stop tracking a block; remember its history; its parent may become a leaf."""
         block = self._blocks.pop(block_id)
+        if block_id == self._unranked:
+            self._unranked = None
         self._num_blocks[block.segment] -= 1
         self._history[block_id] = (block.num_accesses, block.first_clock)
         if len(self._history) > self.ghost_capacity:

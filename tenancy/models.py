@@ -133,7 +133,9 @@ class UsageRecord(Base):
     __table_args__ = (
         Index("ix_usage_records_tenant_hour", "tenant_id", "created_hour"),
         Index("ix_usage_records_hour", "created_hour"),
-        Index("ix_usage_records_tenant_id_id", "tenant_id", "id"),  # per-request export cursor
+        # The per-request export's order and cursor, for all tenants and for one.
+        Index("ix_usage_records_xact_id", "xact_id", "id"),
+        Index("ix_usage_records_tenant_xact_id", "tenant_id", "xact_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(
@@ -166,8 +168,13 @@ class UsageRecord(Base):
     cost_cached_input: Mapped[float] = mapped_column(Float, default=0.0)
     cost_output: Mapped[float] = mapped_column(Float, default=0.0)
     cost_total: Mapped[float] = mapped_column(Float, default=0.0)
+    # False: the tokens were used but nothing was delivered (format_error): kept to be seen, cost 0.
+    billable: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_hour: Mapped[int] = mapped_column(Integer)  # hours since the Unix epoch: portable grouping
+    # The writing transaction's id, set by PostgreSQL (migration 0008; never sent): the export's order.
+    # 0 on SQLite, which serializes writes, and on rows older than 0008.
+    xact_id: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class NamespaceSecret(Base):

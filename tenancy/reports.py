@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, case, func, literal, select, tuple_
+from sqlalchemy import BigInteger, ColumnElement, Select, Text, case, cast, func, literal, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.models import UsageRecord
@@ -29,6 +29,7 @@ GRANULARITY_HOURS = {"hour": 1, "day": 24}
 _FETCH_CHUNK_ROWS = 500
 REPORT_MAX_ROWS = 10_000  # the most rows one page of the usage report holds (one row per group and period)
 _COSTS = ("cost_uncached_input", "cost_cached_input", "cost_output", "cost_total")
+_UNBILLED = ("unbilled_requests", "unbilled_prompt_tokens", "unbilled_completion_tokens")
 _SUMMED = (
     "prompt_tokens",
     "cached_tokens",
@@ -73,6 +74,10 @@ class ReportRow:
     cost_output: float
     cost_total: float
     saved_cost: float  # what the cached tokens would have cost more at the uncached input price
+    # Of the requests and tokens above, those not billable (format_error: used, nothing delivered, cost 0).
+    unbilled_requests: int
+    unbilled_prompt_tokens: int
+    unbilled_completion_tokens: int
 
 
 def _hour(moment: datetime) -> int:
@@ -97,6 +102,11 @@ def _sums() -> list[ColumnElement]:
         func.sum(case((u.outcome.in_(CANCELLED_OUTCOMES), 1), else_=0)).label("cancelled"),
         *(func.coalesce(func.sum(getattr(u, name)), 0).label(name) for name in _SUMMED),
         func.coalesce(func.sum(saved), 0).label("saved_cost"),
+        func.sum(case((u.billable.is_(False), 1), else_=0)).label("unbilled_requests"),
+        func.sum(case((u.billable.is_(False), u.prompt_tokens), else_=0)).label("unbilled_prompt_tokens"),
+        func.sum(case((u.billable.is_(False), u.completion_tokens), else_=0)).label(
+            "unbilled_completion_tokens"
+        ),
     ]
 
 
@@ -141,7 +151,25 @@ def parse_report_cursor(cursor: str, by_end_user: bool) -> list[Any]:
         raise ValueError("not a report cursor")
     if not 0 <= values[0] < 2**31 or any(values[i] not in (0, 1) for i in range(3, len(values), 2)):
         raise ValueError("cursor out of range")
+    u = UsageRecord
+    texts = zip(
+        [values[1], values[2], *values[4::2]], (u.tenant_id, u.model, u.key_id, u.end_user), strict=False
+    )
+    if not all(_sendable(text, column.type.length) for text, column in texts):
+        raise ValueError("cursor out of range")
     return values
+
+
+def _sendable(text: str, max_chars: int) -> bool:
+    """Whether a cursor string fits its column and every driver can send it: no NUL (PostgreSQL text
+    refuses it) and nothing that does not encode to UTF-8 (a lone surrogate from a JSON escape)."""
+    if len(text) > max_chars or "\x00" in text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def usage_report_page(
@@ -230,6 +258,7 @@ async def usage_totals(
         "saved_prefill_s": float(record.saved_prefill_ms) / 1000,
         **{name: float(getattr(record, name)) for name in _COSTS},
         "saved_cost": float(record.saved_cost),
+        **{name: int(getattr(record, name) or 0) for name in _UNBILLED},
     }
     return _rounded_totals(totals)
 
@@ -262,6 +291,7 @@ def _report_row(record: Any, by_end_user: bool) -> ReportRow:
         cost_output=round(float(record.cost_output), 9),
         cost_total=round(float(record.cost_total), 9),
         saved_cost=round(float(record.saved_cost), 9),
+        **{name: int(getattr(record, name) or 0) for name in _UNBILLED},
     )
 
 
@@ -292,6 +322,7 @@ EXPORT_FIELDS = (
     "cost_cached_input",
     "cost_output",
     "cost_total",
+    "billable",
 )
 
 
@@ -300,6 +331,13 @@ class ExportPage:
     data: list[dict[str, Any]]
     next_cursor: str | None  # pass back as ``cursor`` for the next page (later records arrive after it)
     has_more: bool  # more records are waiting right now
+
+
+def _oldest_open_xact() -> ColumnElement:
+    """PostgreSQL: the oldest transaction id still running (server-wide), in the statement's snapshot. A
+    row not visible yet belongs to a transaction at or after it: every row below it is settled."""
+    xmin = func.pg_snapshot_xmin(func.pg_current_snapshot())
+    return select(cast(cast(xmin, Text), BigInteger)).scalar_subquery()
 
 
 async def export_requests(
@@ -311,22 +349,38 @@ async def export_requests(
     cursor: str | None = None,
     limit: int = 1000,
 ) -> ExportPage:
-    """One page of records in insertion order, after ``cursor`` (the last row id of the previous page).
-    Records replayed late from a spool get new ids, so a consumer following the cursor sees them too."""
-    after_id = parse_cursor(cursor)
+    """One page of records after ``cursor`` (the position of the previous page's last record).
+
+    A consumer that follows the cursor sees every record once. PostgreSQL gives a row its id on insert
+    and shows it on commit, so ids commit out of order (two replicas flushing at once, a timed-out insert
+    that commits later): records come in the order of the transactions that wrote them (``xact_id``, then
+    id), and only those below every write transaction still open, whose records would come before them.
+    A record is thus held back while an older write transaction is open. SQLite serializes writes: id
+    order. Records replayed late from a spool are written late, so they come after the cursor too."""
+    after = parse_cursor(cursor)
     u = UsageRecord
-    query = select(u.id, *(getattr(u, name) for name in EXPORT_FIELDS)).where(u.id > after_id)
+    position = tuple_(u.xact_id, u.id)
+    query = select(u.id, u.xact_id, *(getattr(u, name) for name in EXPORT_FIELDS))
+    query = query.where(position > tuple_(literal(after[0]), literal(after[1])))
+    async with sessionmaker() as session:
+        if session.bind is not None and session.bind.dialect.name == "postgresql":
+            query = query.where(u.xact_id < _oldest_open_xact())
     if tenant_id is not None:
         query = query.where(u.tenant_id == tenant_id)
     if start is not None:
         query = query.where(u.created_hour >= _hour(start))
     if end is not None:
         query = query.where(u.created_hour < _hour(end))
-    rows = await _fetch(sessionmaker, query.order_by(u.id).limit(limit + 1))
+    rows = await _fetch(sessionmaker, query.order_by(u.xact_id, u.id).limit(limit + 1))
     more = len(rows) > limit
     rows = rows[:limit]
     data = await asyncio.to_thread(lambda: [_export_row(row) for row in rows])  # off the event loop
-    return ExportPage(data=data, next_cursor=str(rows[-1].id) if rows else cursor, has_more=more)
+    return ExportPage(data=data, next_cursor=_export_cursor(rows[-1]) if rows else cursor, has_more=more)
+
+
+def _export_cursor(row: Any) -> str:
+    """``xact_id.id``, or the bare id when ``xact_id`` is 0 (SQLite; rows older than migration 0008)."""
+    return f"{row.xact_id}.{row.id}" if row.xact_id else str(row.id)
 
 
 async def _fetch(sessionmaker: async_sessionmaker[AsyncSession], query: Select) -> list[Any]:
@@ -341,14 +395,19 @@ async def _fetch(sessionmaker: async_sessionmaker[AsyncSession], query: Select) 
     return rows
 
 
-def parse_cursor(cursor: str | None) -> int:
-    """The row id in a cursor; ValueError if it is not one of ours."""
+def parse_cursor(cursor: str | None) -> tuple[int, int]:
+    """The (transaction id, row id) position in an export cursor (``xact_id.id``, or a bare id: the
+    transaction id 0); ValueError if it is not one of ours."""
     if not cursor:
-        return 0
-    value = int(cursor)
-    if not 0 <= value < 2**63:  # a row id is a BIGINT
+        return 0, 0
+    parts = cursor.split(".") if cursor.count(".") == 1 else ["0", cursor]
+    for part in parts:
+        if not (part.isascii() and part.isdigit() and len(part) <= 19):  # int() takes +5, 1_000, ５
+            raise ValueError("not a cursor")
+    xact_id, row_id = (int(part) for part in parts)
+    if not (xact_id < 2**63 and row_id < 2**63):  # both are BIGINTs
         raise ValueError("cursor out of range")
-    return value
+    return xact_id, row_id
 
 
 def _export_row(row: Any) -> dict[str, Any]:
@@ -402,6 +461,7 @@ def report_totals(rows: list[ReportRow]) -> dict[str, float | int]:
         "cost_output",
         "cost_total",
         "saved_cost",
+        *_UNBILLED,
     ]
     return _rounded_totals({key: sum(getattr(row, key) for row in rows) for key in keys})
 

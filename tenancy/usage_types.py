@@ -161,6 +161,7 @@ class UsageEvent:
             "cost_cached_input": cost.cached_input,
             "cost_output": cost.output,
             "cost_total": cost.total,
+            "billable": self.billable,
             "created_at": created_at,
             "created_hour": int(created_at.timestamp() // 3600),
         }

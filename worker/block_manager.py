@@ -13,7 +13,9 @@ and stays after its sequences finish, until the eviction policy picks it. Invari
   ``allocate`` can get (tests check this against real allocations after random operations).
 
 Reservations assume a reserved (dedicated) namespace's cached blocks form trees of their own, which holds
-because dedicated tenants never share a prefix with another namespace (DESIGN "Isolation levels").
+because dedicated tenants never share a prefix with another namespace (DESIGN "Isolation levels"). They
+are shared max-min fairly between the namespaces asking, and released when a namespace's requests stop
+asking (reserved_blocks 0) or it is purged.
 """
 
 from __future__ import annotations
@@ -91,8 +93,13 @@ class BlockManager:
         self.hash_to_block_id: dict[BlockHash, int] = {}
         self._slot_of: dict[BlockId, int] = {}  # policy (content) id -> block id, for cached blocks
         self.policy = make_policy(eviction_policy, num_blocks)
+        self.policy.declare_leaf_only()  # _can_evict refuses every block with cached children
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
-        self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others
+        self.requested_blocks: dict[str, int] = {}  # namespace_id -> reservation its requests ask for
+        self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others (granted)
+        # Called with (namespace_id, blocks granted; 0: released) for every grant that changes, shrinks
+        # first. Set by the engine: the tiers below follow the device pool's grants.
+        self.on_reservation: Callable[[str, int], None] | None = None
         self._cached_by_ns: Counter[str] = Counter()
         self._evictable_by_ns: Counter[str] = Counter()  # cached blocks that are not pinned
         self.num_evictions = 0
@@ -152,17 +159,39 @@ class BlockManager:
 
     # ---- reservations --------------------------------------------------------------------------
     def set_reservation(self, namespace_id: str, num_blocks: int) -> int:
-        """Protect up to ``num_blocks`` cached blocks of ``namespace_id`` from other owners' evictions.
+        """Ask to protect up to ``num_blocks`` cached blocks of ``namespace_id`` from other owners'
+        evictions (0: no reservation any more); returns the blocks granted to it.
 
-        The total of all reservations is capped at ``max_reserved_blocks``; returns the granted amount.
+        Together the grants never exceed ``max_reserved_blocks``: they are its max-min fair shares among
+        the namespaces that ask (one asking for more than the cap cannot starve one asking later), so a
+        new request may shrink the others' grants (``on_reservation`` tells which).
         """
-        others = sum(v for ns, v in self.reserved_blocks.items() if ns != namespace_id)
-        granted = max(0, min(num_blocks, self.max_reserved_blocks - others))
-        if granted:
-            self.reserved_blocks[namespace_id] = granted
+        if self.requested_blocks.get(namespace_id, 0) == max(0, num_blocks):  # every request asks again
+            return self.reserved_blocks.get(namespace_id, 0)
+        if num_blocks > 0:
+            self.requested_blocks[namespace_id] = num_blocks
         else:
-            self.reserved_blocks.pop(namespace_id, None)
-        return granted
+            self.requested_blocks.pop(namespace_id, None)
+        self._grant_reservations()
+        return self.reserved_blocks.get(namespace_id, 0)
+
+    def _grant_reservations(self) -> None:
+        """Share ``max_reserved_blocks`` max-min fairly (water-filling, smallest requests first; the
+        division's remainder goes to the largest) and report the grants that changed."""
+        granted: dict[str, int] = {}
+        left = self.max_reserved_blocks
+        asks = sorted(self.requested_blocks.items(), key=lambda item: (item[1], item[0]))
+        for k, (namespace_id, asked) in enumerate(asks):
+            share = min(asked, left // (len(asks) - k))
+            left -= share
+            if share:
+                granted[namespace_id] = share
+        before, self.reserved_blocks = self.reserved_blocks, granted
+        changed = [(ns, granted.get(ns, 0)) for ns in sorted(before.keys() | granted.keys())]
+        changed = [(ns, n) for ns, n in changed if n != before.get(ns, 0)]
+        if self.on_reservation is not None:
+            for namespace_id, num_blocks in sorted(changed, key=lambda c: c[1] > before.get(c[0], 0)):
+                self.on_reservation(namespace_id, num_blocks)
 
     # ---- mutations -----------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:
@@ -171,6 +200,7 @@ class BlockManager:
         # In prompt order, root first, as every owner reports a prompt's blocks: the adaptive default's
         # shadows count a hit as prefix-usable only when its parent was the access before it (reported
         # deepest first, none was, and the default never left its first expert in the worker).
+        hit_ids: list[BlockId] = []
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.block_hash is not None, "only cached blocks are shared"
@@ -178,7 +208,8 @@ class BlockManager:
             block.ref_count += 1
             if not was_pinned:
                 self._pin_changed(block, pinned=True)
-            self.policy.on_hit(content_id(block.block_hash), now)
+            hit_ids.append(content_id(block.block_hash))
+        self.policy.on_hits(hit_ids, now)  # one call per request: the default's bookkeeping is batched
 
     def allocate(self, namespace_id: str = "", *, ignore_reservations: bool = False) -> int:
         """A fresh private block with ``ref_count == 1``, evicting a cached block if none is free.
@@ -294,6 +325,8 @@ class BlockManager:
         for block_id in victims:
             self.policy.on_remove(content_id(self.blocks[block_id].block_hash))  # type: ignore[arg-type]
             self._uncache(block_id, leaving=victims)
+        if namespace_id in self.requested_blocks:  # asked again by the owner's next request, if any
+            self.set_reservation(namespace_id, 0)
         return len(victims)
 
     # ---- internals -----------------------------------------------------------------------------

@@ -23,7 +23,15 @@ from policies.hashing import NamespaceKey, NamespaceSegment
 from worker.admission import WaitingQueue
 from worker.block_manager import BlockManager
 from worker.config import WorkerConfig, context_that_fits
-from worker.engine_tiers import close_store, finish_prefetch, make_store, purge_remote, start_prefetch
+from worker.engine_tiers import (
+    close_store,
+    finish_prefetch,
+    make_store,
+    purge_remote,
+    purge_stored,
+    resume_prefetches,
+    start_prefetch,
+)
 from worker.histograms import LatencyHistogram
 from worker.kv_events import KVEventLog
 from worker.kv_events import attach as attach_kv_events
@@ -107,6 +115,7 @@ class Engine:
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
+            self.block_manager.on_reservation = self.store.set_reservation  # L2, L3, Redis follow L1's grants
         self.purge_fence = PurgeFence()
         self._purges: set[asyncio.Future[Any]] = set()  # purges under way (kept while their callers are gone)
         self.scheduler = Scheduler(
@@ -209,9 +218,12 @@ class Engine:
         *,
         use_cache: bool = True,
         matcher: Any = None,
+        owner: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; cancelling the iteration aborts it and frees its blocks.
         ``matcher``: from ``new_matcher`` (made here when the request has a grammar and none is given).
+        ``owner``: the tenant tag the gateway names (its prefetch lane and budget share; default the
+        namespace of the prompt's private tail).
 
         Raises:
             RequestError: the request is invalid; admission.Overloaded: the waiting queue is full.
@@ -233,6 +245,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             timings=Timings(arrival_s=time.monotonic()),
             matcher=matcher,
+            owner=owner,
             in_waiting_queue=True,
         )
         self._handles[request_id] = handle
@@ -289,6 +302,8 @@ class Engine:
                 erased = await done
             except CommandFailed as exc:
                 erased, failed["local"] = {}, str(exc)
+            else:  # L3 and Redis off the engine thread: they wait for the writer, other tenants do not
+                await purge_stored(self.store, namespace_id, erased, failed)
             await purge_remote(self.store, namespace_id, erased, failed)
         finally:  # the fence holds until Redis is erased too: a prefetch reading it meanwhile is dropped
             self._post("purge_done", (namespace_id,))
@@ -314,7 +329,8 @@ class Engine:
             },
             "evictions_total": bm.num_evictions,
             "eviction_policy": bm.policy.name,
-            "reserved_blocks": dict(bm.reserved_blocks),
+            "reserved_blocks": dict(bm.reserved_blocks),  # granted (a fair share of what was asked)
+            "reserved_blocks_requested": dict(bm.requested_blocks),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 1),
             "tiers": self.store.stats() if self.store is not None else {},
         }
@@ -340,6 +356,8 @@ class Engine:
             except queue.Empty:
                 pass
             if self.scheduler.has_work:
+                if self.store is not None:  # budget given back since: waiting requests' cut prefetches
+                    resume_prefetches(self.store, self.block_manager, self.scheduler.waiting)
                 try:
                     idle = not self._step()
                 except Exception as exc:  # a bug must fail requests, never kill the worker
@@ -385,13 +403,8 @@ class Engine:
             if seq.request_id not in self._handles:  # cancelled before it arrived
                 self._leave_queue(seq)
                 return
-            for segment in seq.segments:
-                if segment.reserved_blocks:
-                    granted = self.block_manager.set_reservation(
-                        segment.namespace_id, segment.reserved_blocks
-                    )
-                    if self.store is not None:
-                        self.store.set_reservation(segment.namespace_id, granted)
+            for segment in seq.segments:  # 0 releases a reservation its owner no longer asks for
+                self.block_manager.set_reservation(segment.namespace_id, segment.reserved_blocks)
             self._sequences[seq.request_id] = seq
             seq.purge_tag = self.purge_fence.tag()
             if seq.use_cache and self.store is not None:

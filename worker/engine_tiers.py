@@ -2,15 +2,15 @@
 arrives (prefetch), fed back on the engine thread when a prefetch lands, purged and flushed.
 
 Split out of ``worker.engine`` (no behaviour change): the engine owns the loop and the requests; how it
-uses L2, L3 and Redis lives here. Every function but ``purge_remote`` runs on the engine thread (or
-before it starts, or after it stopped).
+uses L2, L3 and Redis lives here. Every function but ``purge_stored`` and ``purge_remote`` runs on the
+engine thread (or before it starts, or after it stopped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -69,17 +69,41 @@ def make_store(
 
 def start_prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, fingerprint: bytes) -> None:
     """Look the prompt up in every tier now; fetch what only disk or Redis hold while it waits."""
+    seq.block_hashes = block_hashes(seq.prompt_token_ids, pool.block_size, fingerprint, seq.segments)
+    _prefetch(store, pool, seq, from_block=None)
+
+
+def resume_prefetches(store: TieredStore, pool: BlockManager, waiting: Iterable[Sequence]) -> None:
+    """Plan again what the budget cut off the prefetches of requests still waiting, once their owner has
+    room: before, those blocks were recomputed though the budget came back long before their turn."""
+    for seq in waiting:
+        if (
+            seq.prefetch_resume_at is not None
+            and not seq.prefetching
+            and seq.timings.admitted_s is None
+            and store.has_prefetch_room(seq.tenant_tag)
+        ):
+            _prefetch(store, pool, seq, from_block=seq.prefetch_resume_at)
+
+
+def _prefetch(store: TieredStore, pool: BlockManager, seq: Sequence, *, from_block: int | None) -> None:
     bs = pool.block_size
-    seq.block_hashes = block_hashes(seq.prompt_token_ids, bs, fingerprint, seq.segments)
     tokens = seq.prompt_token_ids
     token_blocks = [tokens[k * bs : (k + 1) * bs] for k in range(len(seq.block_hashes))]
     namespaces = [segment_at(seq.segments, k * bs).namespace_id for k in range(len(seq.block_hashes))]
     num_l1 = len(pool.match_prefix(seq.block_hashes, token_blocks))
-    plan = store.plan_prefetch(
-        seq.request_id, seq.block_hashes, token_blocks, namespaces, num_l1, owner=seq.namespace_id
+    plan, seq.prefetch_resume_at = store.plan_prefetch(
+        seq.request_id,
+        seq.block_hashes,
+        token_blocks,
+        namespaces,
+        num_l1,
+        owner=seq.tenant_tag,
+        from_block=from_block,
     )
     if plan is not None:
         seq.prefetching = True
+        seq.prefetch_resume_at = None  # the landing result says where to continue
         store.start_prefetch(plan)
 
 
@@ -99,11 +123,35 @@ def finish_prefetch(
             result = result.head(k)
             break
     seq.block_origins.update(store.finish_prefetch(result))
-    store.drop_prefetched(seq)  # (one prefetch per request: nothing to give back unless ids were reused)
+    previous = seq.prefetched
+    continues = previous is not None and result.start == previous.start + len(previous.records)
+    if not continues:
+        store.drop_prefetched(seq)  # (nothing to give back unless ids were reused or it was purged)
     held = result.data.nbytes if result.records and result.data is not None else 0
     store.unstage(result.staged_bytes - held, result.owner)  # the budget was reserved for the whole plan
-    seq.prefetched, seq.staged_bytes = (result, held) if held else (None, 0)
+    if held and continues:  # a resumed prefetch: one run with what the request holds already
+        seq.prefetched, seq.staged_bytes = previous.extend(result), seq.staged_bytes + held
+    elif held:
+        seq.prefetched, seq.staged_bytes = result, held
+    elif not continues:
+        seq.prefetched, seq.staged_bytes = None, 0
     seq.prefetching = False
+    # The whole plan arrived and the budget cut the chain after it: the rest is planned again with room.
+    whole = result.resume_at is not None and result.start + len(result.records) == result.resume_at
+    seq.prefetch_resume_at = result.resume_at if whole and (continues or held) else None
+
+
+async def purge_stored(
+    store: TieredStore | None, namespace_id: str, erased: dict[str, int], failed: dict[str, str]
+) -> None:
+    """Erase a namespace from L3 off the engine thread (it waits for the chunk the writer is storing)."""
+    if store is None:
+        return
+    try:
+        erased |= await asyncio.to_thread(store.purge_stored, namespace_id)
+    except Exception as exc:  # a disk error fails the purge (the caller is told to retry), not the worker
+        log.exception("purging namespace %s from L3 failed", namespace_id)
+        failed["l3"] = f"{type(exc).__name__}: {exc}"
 
 
 async def purge_remote(

@@ -80,6 +80,12 @@ def worker_openapi_spec() -> dict[str, Any]:
             "sampling": _SAMPLING,
             "stream": {"type": "boolean"},
             "cache": {"type": "boolean"},
+            "x_request_id": {"type": "string"},
+            "owner": {
+                "type": "string",
+                "minLength": 1,
+                "description": "the tenant's tag: prefetch lane and budget share (default: last namespace)",
+            },
         },
     }
     return {

@@ -36,6 +36,7 @@ class GenerateRequest:
     stream: bool
     use_cache: bool
     x_request_id: str = ""  # the gateway's client-facing request id, for log lines
+    owner: str = ""  # the gateway's tag of the tenant (prefetch lane and budget share); "": the namespace
 
 
 def _require(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -56,13 +57,13 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return _require(body, name, kind)
 
 
-def parse_namespace_id(value: Any) -> str:
+def parse_namespace_id(value: Any, param: str = "namespace_id") -> str:
     """A namespace id as sent by the gateway (``global``, ``promoted``, ``t-<hex>``), or a BadRequest."""
     if not isinstance(value, str) or _NAMESPACE_ID.fullmatch(value) is None:
         raise BadRequest(
-            f"'namespace_id' must be 1 to {MAX_NAMESPACE_ID_CHARS} letters, digits, '.', '_' or '-', "
+            f"{param!r} must be 1 to {MAX_NAMESPACE_ID_CHARS} letters, digits, '.', '_' or '-', "
             "starting with a letter or digit",
-            param="namespace_id",
+            param=param,
         )
     return value
 
@@ -182,4 +183,5 @@ def parse_generate(body: Any, block_size: int) -> GenerateRequest:
         stream=bool(_optional(body, "stream", bool, False)),
         use_cache=bool(_optional(body, "cache", bool, True)),
         x_request_id=str(_optional(body, "x_request_id", str, ""))[:128],
+        owner="" if body.get("owner") is None else parse_namespace_id(body["owner"], "owner"),
     )

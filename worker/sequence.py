@@ -75,11 +75,19 @@ class Sequence:
     grammar_complete: bool = False  # the grammar allows nothing more: the request stops
     in_waiting_queue: bool = False  # counted in the engine's bounded waiting queue (not admitted yet)
     purge_tag: int = 0  # worker.purge_fence tag at arrival: blocks of a namespace purged since are dropped
+    owner: str = ""  # the tenant tag the gateway names (``shared`` tenants share a namespace, not a tag)
+    prefetch_resume_at: int | None = None  # first block its prefetch left for want of budget: planned again
 
     @property
     def namespace_id(self) -> str:
         """Owner of the sequence's private tail (its last segment)."""
         return self.segments[-1].namespace_id
+
+    @property
+    def tenant_tag(self) -> str:
+        """Whose request this is, for fairness between tenants (prefetch lanes and budget shares): the
+        owner the gateway named, else the namespace of the private tail."""
+        return self.owner or self.namespace_id
 
     def token_at(self, index: int) -> int:
         """Token ``index`` of prompt + output, without building the joined list."""

@@ -147,6 +147,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         req.segments,
         use_cache=req.use_cache,
         matcher=matcher,
+        owner=req.owner,
     )
     if req.stream:
         return await _stream(request, f"{req.request_id} (x-request-id {req.x_request_id})", outputs)

@@ -1,5 +1,9 @@
 """Admin API inputs on PostgreSQL (which refuses NUL in text and checks int64 bounds): a malformed id
-is a 404, a NUL in a value or an out-of-range cursor a 400, never a 500 (hostile-input review, finding 6)."""
+is a 404, a NUL in a value or an out-of-range cursor a 400, never a 500 (hostile-input review, finding 6;
+forged report cursors: review r6 #4)."""
+
+import base64
+import json
 
 import pytest
 
@@ -11,6 +15,10 @@ from tests.security.test_input_hardening import assert_openai_error
 @pytest.fixture
 async def pg_client(aiohttp_client, pg_url, tmp_path):
     return await aiohttp_client(create_app(make_config(pg_url, tmp_path)))
+
+
+def _report_cursor(values: list) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
 
 
 CASES = [
@@ -28,6 +36,12 @@ CASES = [
     ("get", "/admin/v1/reports/requests?tenant_id=%00", None, 400),
     ("get", "/admin/v1/reports/requests?cursor=99999999999999999999999", None, 400),
     ("get", "/admin/v1/reports/requests?cursor=9223372036854775808", None, 400),
+    ("get", "/admin/v1/reports/requests?cursor=%2B5", None, 400),
+    ("get", "/admin/v1/reports/requests?cursor=1_000", None, 400),
+    ("get", "/admin/v1/reports/requests?cursor=%EF%BC%95", None, 400),  # a full-width 5
+    ("get", "/admin/v1/reports/usage?cursor=" + _report_cursor([1, "\u0000", "m", 0, ""]), None, 400),
+    ("get", "/admin/v1/reports/usage?cursor=" + _report_cursor([1, "tn_x", "\ud800", 0, ""]), None, 400),
+    ("get", "/admin/v1/reports/usage?cursor=" + _report_cursor([1, "tn_x", "m", 1, "\ud800k"]), None, 400),
     ("get", "/admin/v1/reports/usage?start=0001-01-01&end=9999-12-31", None, None),
     ("get", "/admin/v1/reports/usage?start=9999-12-31T23:59:59-23:59", None, None),
 ]

@@ -5,6 +5,9 @@ delivered: docs/api.md, "What a record bills")."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from typing import Any
 
 import openai
@@ -91,3 +94,31 @@ async def test_a_stream_whose_chunk_cannot_be_formatted_ends_with_an_error_event
     assert (record.status, record.outcome) == (200, "format_error")  # the headers had gone out
     # The first token (the one that could not be sent) had been generated: the worker's count then.
     assert record.prompt_tokens > 0 and record.completion_tokens == 1 and record.cost_total == 0.0
+
+
+async def test_the_unbilled_record_is_told_apart_in_the_table_the_export_and_the_cli(
+    gateway, sdk, unformattable_answer, capsys, monkeypatch
+):
+    """The record's ``billable`` was dropped on the way to the table: the export, the report and the CLI
+    showed its tokens like billed ones (only its cost of 0 hinted, and a zero-priced row costs 0 too)."""
+    from tests.gateway.conftest import ADMIN_TOKEN
+    from tests.gateway.test_gateway_admin_api import run_cli
+
+    monkeypatch.setenv("PREFIXGATE_URL", str(gateway.make_url("")))
+    monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", ADMIN_TOKEN)
+    with pytest.raises(openai.InternalServerError):
+        await sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True
+        )
+    record = await _record(gateway)
+    assert record.billable is False and record.prompt_tokens > 0
+    code, out, _ = await run_cli(capsys, "report", "requests")
+    [row] = json.loads(out)["data"]
+    assert code == 0 and row["billable"] is False and row["prompt_tokens"] == record.prompt_tokens
+    code, out, _ = await run_cli(capsys, "report", "requests", "--format", "csv")
+    lines = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and [line["billable"] for line in lines] == ["False"]
+    code, out, _ = await run_cli(capsys, "report", "usage")
+    [usage_row] = json.loads(out)["data"]
+    assert (usage_row["unbilled_requests"], usage_row["unbilled_prompt_tokens"]) == (1, record.prompt_tokens)
+    assert usage_row["unbilled_completion_tokens"] == record.completion_tokens

@@ -99,3 +99,33 @@ async def test_worker_payload_carries_segments_and_sampling():
     }
     assert payload["stream"] is True and payload["cache"] is True and payload["request_id"] == "chatcmpl-1"
     await session.close()
+
+
+async def test_worker_payload_names_the_tenant_apart_from_the_namespace():
+    """Every ``shared`` tenant hashes in the one global namespace: the worker's prefetch lanes and budget
+    shares were per namespace, so one shared tenant's burst queued the others. The payload now names the
+    tenant (its opaque tag, never the tenant id) for the worker to queue by."""
+    pipe, session = await pipeline()
+    payloads = []
+    for tenant_id in ("tn_x", "tn_y"):
+        tenant = TenantPolicy(tenant_id=tenant_id, name=tenant_id, isolation="shared")
+        prepared = PreparedRequest(
+            request_id="chatcmpl-1",
+            endpoint="chat.completions",
+            tenant=tenant,
+            model=None,
+            prompt_token_ids=[1, 2, 3],
+            segments=pipe.segments(tenant),
+            sampling=SamplingParams(
+                max_tokens=7, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=(), ignore_eos=False
+            ),
+            stream=False,
+            include_usage=False,
+            worker_url="http://127.0.0.1:9",
+            owner=pipe.owner(tenant),
+        )
+        payloads.append(prepared.worker_payload())
+    assert payloads[0]["namespace"] == payloads[1]["namespace"]  # the same data namespace
+    assert [p["owner"] for p in payloads] == [tenant_namespace_id(SALT, t) for t in ("tn_x", "tn_y")]
+    assert all("tn_" not in p["owner"] for p in payloads)
+    await session.close()

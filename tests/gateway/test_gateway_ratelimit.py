@@ -6,7 +6,7 @@ import time
 import pytest
 
 from gateway.app import create_app
-from gateway.ratelimit import WINDOW_S, LocalRateLimiter
+from gateway.ratelimit import WINDOW_S, LocalRateLimiter, RedisRateLimiter
 from gateway.state import POLICY_CACHE
 from tests.gateway.conftest import ADMIN, make_config
 from tests.tenancy.db_support import REDIS_ENV, service_url
@@ -54,3 +54,26 @@ async def test_unreachable_redis_falls_back_to_local_limits(aiohttp_client, sqli
         await client.post("/admin/v1/tenants", json={"name": "limited", "rate_limit_rpm": 1}, headers=ADMIN)
     ).json()
     assert [await status(client, created["api_key"]) for _ in range(2)] == [503, 429]
+
+
+@pytest.mark.parametrize("backend", ["local", "redis"])
+async def test_charge_counts_what_a_request_used_beyond_its_check(backend, request):
+    """A request's real tokens (known once answered) count in the window though no check is left to
+    refuse them: the next request is refused on them. ``charge`` never refuses, even past the limit."""
+    if backend == "local":
+        limiter = LocalRateLimiter()
+    else:
+        limiter = RedisRateLimiter(request.getfixturevalue("redis_url"), key_prefix=f"test:{time.time_ns()}")
+    if time.time() % WINDOW_S > WINDOW_S - 2:  # one fixed Redis window for the whole test
+        await asyncio.sleep(WINDOW_S - time.time() % WINDOW_S)
+    try:
+        assert (await limiter.check("t", 100, 30)).remaining == 70
+        await limiter.charge("t", 90)  # it used 120, not 30: past the limit, counted all the same
+        refused = await limiter.check("t", 100, 1)
+        assert not refused.allowed and refused.remaining == 0
+        await limiter.refund("t", 40)  # 80 used
+        assert (await limiter.check("t", 100, 20)).remaining == 0
+        await limiter.charge("other", 5)
+        assert (await limiter.check("other", 10, 5)).remaining == 0
+    finally:
+        await limiter.close()

@@ -7,16 +7,20 @@ Real gateway, real SQLite (and Redis for the shared window), the real worker pro
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 
 import openai
 import pytest
 from openai import AsyncOpenAI
 
+from gateway.admission import AdmissionGate, admit_choices
 from gateway.app import create_app
 from gateway.config import OpenAIUpstreamConfig
-from gateway.ratelimit import WINDOW_S, LocalRateLimiter
+from gateway.errors import RateLimited
+from gateway.ratelimit import WINDOW_S, LocalRateLimiter, RedisRateLimiter, requests_key
 from gateway.state import ADMISSION
+from tenancy.policy import TenantPolicy
 from tests.gateway.conftest import create_tenant, make_config
 from tests.tenancy.db_support import REDIS_ENV, service_url
 from tests.upstreams import hung_server
@@ -157,3 +161,33 @@ async def test_local_limiter_refund():
     assert not limiter.check_at("t", 3, 1, now=60.5).allowed
     await limiter.refund("nobody", 5)  # nothing counted: nothing to give back
     assert limiter.check_at("nobody", 3, 3, now=2).allowed
+
+
+@pytest.fixture(params=["local", "redis"])
+async def limiter(request):
+    if request.param == "local":
+        yield LocalRateLimiter()
+        return
+    shared = RedisRateLimiter(service_url(REDIS_ENV, "Redis"), key_prefix=f"test:{secrets.token_hex(4)}")
+    yield shared
+    await shared.close()
+
+
+async def test_a_refused_n_counts_nothing_on_either_limiter(limiter):
+    """rpm 2: one request served, then one with n=2 refused (its second choice does not fit): it counts
+    nothing, on Redis too (review r6 #5: Redis kept a refused check's single unit), so one more fits."""
+    tenant = TenantPolicy(tenant_id=f"tn_{secrets.token_hex(6)}", name="t", rate_limit_rpm=2)
+    key, gate = requests_key(tenant.tenant_id), AdmissionGate(max_in_flight=0)
+    await in_one_window()
+    assert (await limiter.check(key, 2)).allowed
+    assert (await limiter.check(key, 2)).allowed  # the n=2 request enters with its first unit
+    gate.enter(tenant.tenant_id, None)
+    with pytest.raises(RateLimited):
+        await admit_choices(gate, limiter, tenant, 2, {})
+    gate.leave(tenant.tenant_id, 1)
+    last = await limiter.check(key, 2)
+    assert last.allowed and last.remaining == 0  # 1 served + this one
+    assert not (await limiter.check(key, 2)).allowed
+    assert not (await limiter.check(key, 2, 2)).allowed  # refused checks of any cost count nothing ...
+    await limiter.refund(key, 1)
+    assert (await limiter.check(key, 2)).allowed  # ... so a refund frees a unit

@@ -1,4 +1,5 @@
-"""Usage reports on PostgreSQL are paged (review r1, finding 3).
+"""Usage reports on PostgreSQL are paged (review r1, finding 3); the per-request export's cursor misses
+no record that commits late (review r6, #3).
 
 The usage report was one unbounded answer built on the event loop: one row per end user (`user` field,
 the tenants' choice) per hour, so 100,000 users made 56 MB and held every tenant's requests 9-18 s.
@@ -6,14 +7,19 @@ How long a page holds the loop now is measured by ``bench.report_pages`` (docs/B
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import UTC, datetime
 
 import pytest
+from sqlalchemy import insert
 
 from bench.report_pages import busy_events
 from gateway.app import create_app
 from gateway.state import SESSIONMAKER
+from tenancy.models import UsageRecord
 from tenancy.usage import insert_usage
+from tenancy.usage_types import UsageEvent
 from tests.gateway.conftest import ADMIN, make_config
 
 
@@ -56,3 +62,40 @@ async def test_the_usage_report_is_paged_and_its_totals_cover_every_page(aiohttp
         "/admin/v1/reports/usage", params={"cursor": csv_page.headers["X-Next-Cursor"]}, headers=ADMIN
     )
     assert other_grouping.status == 400
+
+
+def _record(request_id: str) -> UsageEvent:
+    return UsageEvent(
+        request_id=request_id,
+        tenant_id="tn_x",
+        model="m",
+        endpoint="chat.completions",
+        status=200,
+        prompt_tokens=10,
+        created_at=datetime.now(UTC),
+    )
+
+
+async def test_the_export_cursor_gets_a_record_that_committed_late(aiohttp_client, pg_url, tmp_path):
+    """Replica A's insert took the lower id but commits after replica B's: the export holds B's record
+    back while A's transaction is open, so the cursor never passes A's record (it did: lost)."""
+    client = await aiohttp_client(create_app(make_config(pg_url, tmp_path)))
+    sessionmaker = client.app[SESSIONMAKER]
+    url = "/admin/v1/reports/requests"
+    async with sessionmaker() as slow:
+        await slow.execute(insert(UsageRecord).values(_record("req_slow_replica_a").to_row()))
+        await insert_usage(sessionmaker, [_record("req_fast_replica_b")])
+        page = await (await client.get(url, headers=ADMIN)).json()
+        assert page == {"object": "list", "next_cursor": None, "has_more": False, "data": []}
+        await slow.commit()
+    seen, cursor, deadline = [], "", time.monotonic() + 10  # other tests' transactions hold pages a moment
+    while len(seen) < 2 and time.monotonic() < deadline:
+        page = await (await client.get(url, params={"cursor": cursor}, headers=ADMIN)).json()
+        seen += [row["request_id"] for row in page["data"]]
+        cursor = page["next_cursor"] or ""
+        await asyncio.sleep(0.05)
+    assert seen == ["req_slow_replica_a", "req_fast_replica_b"]
+    xact_id, row_id = cursor.split(".")  # the position of B's record: its transaction, then its id
+    assert int(row_id) == 2 and int(xact_id) > 0
+    page = await (await client.get(url, params={"cursor": cursor}, headers=ADMIN)).json()
+    assert page["data"] == [] and page["next_cursor"] == cursor

@@ -337,3 +337,18 @@ def test_a_leader_s_first_token_ends_its_followers_hold():
     assert router.choose_and_hold(request("follower-3")) == (leader, 0.0)  # same worker, no wait
     assert router.leader_prefilled(request("leader"), leader) is True  # (a retry: harmless)
     assert router.drop_placement(request("leader")) == leader  # failed later: still its own to drop
+
+
+async def test_a_leader_s_first_token_wakes_only_its_own_followers_as_stored():
+    import asyncio
+
+    index = PrefixIndex()
+    block = b"h" * 32
+    mine = asyncio.ensure_future(index.wait_stored(URLS[0], block, 30.0, "leader-a"))
+    theirs = asyncio.ensure_future(index.wait_stored(URLS[0], block, 30.0, "leader-b"))
+    await asyncio.sleep(0)
+    index.release(URLS[0], block, "leader-a", stored=True)
+    assert await asyncio.wait_for(mine, 5) is True  # computed there: the follower finds it cached
+    await asyncio.sleep(0)
+    assert not theirs.done()  # another leader's followers wait for theirs
+    theirs.cancel()

@@ -400,6 +400,43 @@ async def test_sdk_closing_a_stream_early_is_billed_by_the_gateways_tokenizer(
     assert 4 <= cut.completion_tokens < 3000
 
 
+async def test_a_cut_streams_real_prompt_counts_against_the_token_limit(
+    aiohttp_client, gateway, sqlite_template, tmp_path, worker_url
+):
+    """A stream the client cut before the upstream reported usage: its prompt is counted by the front
+    gateway's tokenizer (about one token a character here), not the characters / 4 the limit checked.
+    Before, the estimate stood in the tokens-per-minute window and the tenant's next request of the same
+    size was let in; now the window holds the real count and refuses it."""
+    key = (await create_tenant(gateway, name="front-gateway"))["api_key"]
+    url = str(gateway.make_url("/v1"))
+    app = front_app(
+        sqlite_template, tmp_path / "front", url, api_key=key, flavour="none", worker_urls=(worker_url,)
+    )
+    client = await aiohttp_client(app)
+    tenant = await create_tenant(client, name="acme", rate_limit_tpm=900)
+    sdk = AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
+    system = unique_system_prompt() + " " + "0123456789" * 60  # checked as ~170 tokens, ~660 by tokens
+    stream = await sdk.chat.completions.create(
+        model=PUBLIC_MODEL,
+        messages=messages(system),
+        max_tokens=100,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    num_contents = 0
+    async for chunk in stream:
+        num_contents += bool(chunk.choices and chunk.choices[0].delta.content)
+        if num_contents == 4:
+            break
+    await stream.close()
+    [cut] = await wait_records(client, 1)
+    assert cut.outcome == "cancelled_estimated" and cut.prompt_tokens > 600
+    with pytest.raises(openai.RateLimitError) as refused:  # ~170 + 100 more would pass the estimate's window
+        await sdk.chat.completions.create(model=PUBLIC_MODEL, messages=messages(system), max_tokens=100)
+    await sdk.close()
+    assert refused.value.body["code"] == "rate_limit_exceeded"
+
+
 async def test_canonicalization_reaches_the_upstreams_cache(front):
     """A tenant with canonicalization on: the timestamp leaves the prefix before it goes upstream, so
     the upstream's cache serves the second request's head although the clients' prompts differ."""

@@ -157,3 +157,39 @@ async def test_client_gone_mid_stream_is_recorded_once_as_an_estimate(front):
     assert [(r.outcome, r.status) for r in rows] == [("cancelled_estimated", 499)]
     num_chars = sum(len(m["content"]) for m in MESSAGES)
     assert rows[0].prompt_tokens == -(-num_chars // 4) and rows[0].completion_tokens >= num_received
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_the_token_limit_counts_what_the_upstream_reports_not_the_estimate(front, stream):
+    """The tokens-per-minute check of an external upstream's request can only estimate the prompt
+    (characters / 4), and the estimate stood: this server's tokenizer makes about one token of every
+    character, so a tenant with a 1000-token limit was served 6 requests of ~610 real tokens in a minute.
+    Now the window is corrected with the upstream's usage when the answer (or the stream) ends: a request
+    is admitted only while what the earlier ones really used is under the limit."""
+    limit, max_tokens = 1000, 2
+    tenant = await create_tenant(front, name="tight", rate_limit_tpm=limit)
+    sdk = tenant_sdk(front, tenant["api_key"])
+    content = "0123456789" * 60  # 600 characters: an estimate of 150 tokens
+    used: list[int] = []  # what each served request counts, by the upstream's own usage
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(8):
+            messages = [{"role": "user", "content": content}]
+            if stream:
+                chunks = await sdk.chat.completions.create(
+                    model=PUBLIC_MODEL,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                usage = [chunk async for chunk in chunks][-1].usage
+            else:
+                reply = await sdk.chat.completions.create(
+                    model=PUBLIC_MODEL, messages=messages, max_tokens=max_tokens
+                )
+                usage = reply.usage
+            assert usage.prompt_tokens > 600  # the estimate was a quarter of it
+            used.append(usage.prompt_tokens + max_tokens)
+    await sdk.close()
+    assert refused.value.body["code"] == "rate_limit_exceeded"
+    assert sum(used[:-1]) <= limit, used  # each request was let in while the real count had room

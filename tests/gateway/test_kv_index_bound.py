@@ -88,6 +88,43 @@ def test_one_worker_cannot_grow_the_index_past_what_its_tiers_hold():
     assert len(index.workers["http://w1"].blocks) == bound
 
 
+def _events(kind: str, hashes: list[str], first_seq: int) -> list[dict]:
+    return [
+        {"seq": first_seq + i, "type": kind, "medium": "L3", "namespace_id": "t-a", "block_hashes": [h]}
+        for i, h in enumerate(hashes)
+    ]
+
+
+def test_a_batch_that_nets_within_the_capacity_is_kept_whole():
+    # A worker restarted on a disk holding more than its new budget (what an older worker announced):
+    # every file found, then the evictions down to the budget, in one batch.
+    capacity = {"L1": 0, "L2": 0, "L3": 64}
+    bound = capacity_bound(capacity)
+    found = _hashes(bound + 500)
+    batch = _batch(0, [], medium="L3", capacity=capacity)
+    batch["events"] = _events("BlockStored", found, 1) + _events("BlockRemoved", found[64:], len(found) + 1)
+    batch["last_seq"] = batch["events"][-1]["seq"]
+    index = PrefixIndex()
+    index.apply("http://w1", batch)  # before: refused at entry `bound`, and again on every replay
+    assert set(index.workers["http://w1"].blocks) == {bytes.fromhex(h) for h in found[:64]}
+
+
+def test_a_batch_that_nets_past_the_capacity_is_refused_and_never_grows_past_its_removals():
+    capacity = {"L1": 0, "L2": 0, "L3": 64}
+    bound = capacity_bound(capacity)
+    stored = _hashes(bound + 5_000)
+    never_stored = _hashes(100)  # removals of unknown blocks buy a hostile worker no more than this
+    batch = _batch(0, [], medium="L3", capacity=capacity)
+    batch["events"] = _events("BlockRemoved", never_stored, 1) + _events("BlockStored", stored, 101)
+    index = PrefixIndex()
+    with pytest.raises(ValueError, match="more blocks than its tiers hold"):
+        index.apply("http://w1", batch)
+    assert len(index.workers["http://w1"].blocks) == bound + len(never_stored)
+    batch["events"] = _events("BlockStored", stored[: bound + 10], 1) + _events("BlockRemoved", stored[:5], 1)
+    with pytest.raises(ValueError, match="more blocks than its tiers hold"):  # nets at bound + 5
+        PrefixIndex().apply("http://w1", batch)
+
+
 def test_without_a_reported_capacity_the_default_bound_holds(monkeypatch):
     assert DEFAULT_MAX_BLOCKS == 1 << 18  # ~50 MB of entries for a worker that reports nothing
     monkeypatch.setattr("gateway.kv_index.DEFAULT_MAX_BLOCKS", 5_000)  # the same bound, smaller and fast

@@ -1,15 +1,20 @@
 import asyncio
+import secrets
+from collections.abc import Iterator
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from migrations import alembic_config, current_revision, upgrade_database
 from tenancy.db import create_engine
 from tenancy.models import Base
+from tests.tenancy.db_support import POSTGRES_ENV, _pg_admin, service_url
 
-HEAD = "0006"
+HEAD = "0008"
 
 
 def schema_diff(url: str) -> list:
@@ -85,3 +90,53 @@ def test_cli_db_upgrade(tmp_path, capsys):
     assert main(["db", "upgrade", "--data-dir", str(tmp_path / "data")]) == 0
     assert "latest revision" in capsys.readouterr().out
     assert current_revision(f"sqlite+aiosqlite:///{tmp_path / 'data' / 'prefixgate.db'}") == HEAD
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_database(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A database with no tables yet: SQLite, or a PostgreSQL database of this test's own."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}"
+        return
+    base = service_url(POSTGRES_ENV, "PostgreSQL")
+    name = f"prefixgate_test_{secrets.token_hex(4)}"
+    asyncio.run(_pg_admin(base, f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        asyncio.run(_pg_admin(base, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def test_0007_stores_billable_and_marks_the_unbilled_rows_recorded_before_it(empty_database):
+    """Rows from before 0007 are billable, but for the ``format_error`` rows that kept the worker's tokens
+    at a cost of 0 under non-zero prices (the only ones ``billable=False`` ever wrote); going down keeps
+    every row."""
+    url = empty_database
+    upgrade_database(url, "0006")
+    columns = (
+        "request_id, tenant_id, model, endpoint, status, outcome, prompt_tokens, cached_tokens,"
+        " cached_l1_tokens, cached_l2_tokens, cached_l3_tokens, cached_remote_tokens, completion_tokens,"
+        " prefill_ms, saved_prefill_ms, price_input_per_mtok, price_output_per_mtok, cost_total,"
+        " created_at, created_hour"
+    )
+    values = [
+        "('paid', 't', 'm', 'completions', 200, 'completed', 10, 0, 0, 0, 0, 0, 5, 0, 0, 1, 2, 0.00002",
+        "('unpaid', 't', 'm', 'completions', 500, 'format_error', 10, 0, 0, 0, 0, 0, 5, 0, 0, 1, 2, 0",
+        "('cut', 't', 'm', 'completions', 200, 'format_error', 10, 0, 0, 0, 0, 0, 1, 0, 0, 1, 2, 0.000012",
+        "('free', 't', 'm', 'completions', 200, 'completed', 10, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0",
+    ]
+    execute(
+        url,
+        *(f"INSERT INTO usage_records ({columns}) VALUES {v}, '2026-01-01 00:00:00+00', 0)" for v in values),
+    )
+    upgrade_database(url)
+    rows = execute(url, "SELECT request_id, billable FROM usage_records ORDER BY request_id")
+    assert [(r[0], bool(r[1])) for r in rows] == [
+        ("cut", True),
+        ("free", True),
+        ("paid", True),
+        ("unpaid", False),
+    ]
+    command.downgrade(alembic_config(url), "0006")
+    assert current_revision(url) == "0006"
+    assert len(execute(url, "SELECT request_id FROM usage_records")) == 4

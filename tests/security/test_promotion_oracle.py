@@ -50,14 +50,20 @@ async def settle() -> None:
     await asyncio.sleep(0.3)  # counting happens after a request is served, off the request path
 
 
-async def test_requests_the_worker_rejects_do_not_count(gateway):
+async def test_requests_that_are_not_served_whole_do_not_count(gateway):
+    """Padding with requests the attackers cut after their first chunk (the worker computed their prompt,
+    then the client went away: 499, not served). It used to be requests the worker refused (``top_p:
+    0``); the worker now serves every request that passes the gateway's checks (review r6 #6)."""
     system = system_with("the victim's private instructions")
     victim, attacker_1, attacker_2 = [await key(gateway, n) for n in ("victim", "a1", "a2")]
     await served(gateway, victim, system, "a real question")
     for attacker in (attacker_1, attacker_2):
         for i in range(3):
-            rejected = await ask(gateway, attacker, system, f"pad {i}", top_p=0)  # the worker refuses it
-            assert rejected.status >= 400
+            cut = await ask(
+                gateway, attacker, system, f"pad {i}", stream=True, max_tokens=2000, ignore_eos=True
+            )
+            assert cut.status == 200 and await cut.content.readany()  # the stream started
+            cut.close()  # and the client went away
     await settle()
     probe = await served(gateway, attacker_1, system, "probe")
     await settle()

@@ -1,17 +1,19 @@
 import asyncio
+import base64
 import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select, text
 
 from migrations import upgrade_database_async
 from tenancy.db import create_engine, create_sessionmaker
 from tenancy.models import UsageRecord
 from tenancy.reports import (
     export_requests,
+    parse_cursor,
     report_to_csv,
     report_totals,
     usage_report,
@@ -239,6 +241,70 @@ async def test_per_request_export_pages_with_a_cursor(sqlite_url):
     await engine.dispose()
 
 
+async def _follow_export(sessionmaker, cursor: str | None, wanted: int) -> tuple[list[str], str | None]:
+    """The request ids the export hands out after ``cursor`` until ``wanted`` came (or 10 s passed: a
+    write transaction of another test on the same PostgreSQL server holds pages back a moment)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(seen) < wanted and time.monotonic() < deadline:
+        page = await export_requests(sessionmaker, cursor=cursor)
+        seen += [row["request_id"] for row in page.data]
+        cursor = page.next_cursor
+        await asyncio.sleep(0 if page.data else 0.05)
+    return seen, cursor
+
+
+async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_url):
+    """PostgreSQL takes a row's id when it is inserted and shows the row when its transaction commits:
+    two replicas flushing at once (or a timed-out insert that commits later) commit out of id order.
+    A consumer following the cursor past a later id never saw the earlier one (review r6 #3). The
+    export now hands out records only below every write transaction still open, in the order of
+    their transactions, so it holds the later record back until the earlier one commits."""
+    engine = create_engine(pg_url)
+    sessionmaker = create_sessionmaker(engine)
+    async with sessionmaker() as slow:  # replica A: its insert took id 1, its commit is still to come
+        await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
+        await insert_usage(sessionmaker, [event("fast_b")])  # replica B: id 2, committed
+        early = await export_requests(sessionmaker)
+        assert early.data == [] and not early.has_more  # fast_b waits for slow_a's transaction
+        await slow.commit()
+    seen, cursor = await _follow_export(sessionmaker, early.next_cursor, 2)
+    assert seen == ["slow_a", "fast_b"]
+    # The other interleaving: C's transaction began writing before D took the lower id and committed
+    # late: C's record comes first (its transaction is older), D's once it commits, none is skipped.
+    async with sessionmaker() as older, sessionmaker() as later:
+        await older.execute(text("SELECT pg_current_xact_id()"))  # older's transaction id comes first
+        await later.execute(insert(UsageRecord).values(event("later_d").to_row()))
+        await older.execute(insert(UsageRecord).values(event("older_c").to_row()))
+        await older.commit()
+        seen, cursor = await _follow_export(sessionmaker, cursor, 1)
+        assert seen == ["older_c"]
+        await later.commit()
+    seen, cursor = await _follow_export(sessionmaker, cursor, 1)
+    assert seen == ["later_d"]
+    assert (await export_requests(sessionmaker, cursor=cursor)).data == []
+    assert (await _follow_export(sessionmaker, None, 4))[0] == ["slow_a", "fast_b", "older_c", "later_d"]
+    await engine.dispose()
+
+
+async def test_sqlite_serializes_writes_so_the_export_goes_in_id_order(sqlite_url):
+    """Why SQLite needs no transaction order (its records carry ``xact_id`` 0): a second writer waits for
+    the first one's commit before it takes an id, so ids commit in order and the cursor passes nothing."""
+    engine = create_engine(sqlite_url)
+    sessionmaker = create_sessionmaker(engine)
+    async with sessionmaker() as slow:
+        await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
+        fast = asyncio.create_task(insert_usage(sessionmaker, [event("fast_b")]))
+        await asyncio.sleep(0.3)
+        assert not fast.done()  # waits for slow's write lock (busy_timeout)
+        assert (await export_requests(sessionmaker)).data == []
+        await slow.commit()
+    await fast
+    page = await export_requests(sessionmaker)
+    assert [row["request_id"] for row in page.data] == ["slow_a", "fast_b"] and page.next_cursor == "2"
+    await engine.dispose()
+
+
 async def test_a_record_the_database_refuses_does_not_block_the_others(pg_url, tmp_path: Path):
     engine = create_engine(pg_url)
     sessionmaker = create_sessionmaker(engine)
@@ -304,6 +370,57 @@ def test_a_record_not_billable_keeps_its_tokens_at_no_cost_through_the_spool(tmp
     assert billed.billable and billed.to_row()["cost_total"] > 0
 
 
+def _report_cursor(values: list) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
+
+
+async def test_a_tampered_cursor_is_refused_not_sent_to_the_database(db_url):
+    """A report cursor is base64 JSON the client can forge: strings a driver cannot send (a NUL, which
+    PostgreSQL text refuses; a lone surrogate, which does not encode to UTF-8) or longer than their
+    column are refused before the query (they were a 500, review r6 #4). The export cursor is ASCII
+    digits only (``int`` also took ``+5``, ``1_000`` and full-width digits)."""
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    await insert_usage(sessionmaker, [event("r1", prices=DEFAULTS)])
+    good = [1, "tn_a", "m", 1, "key_1", 1, "user"]
+    for bad in (
+        [1, "\u0000", "m", 0, "", 0, ""],
+        [1, "tn_a", "\ud800", 0, "", 0, ""],
+        [1, "tn_a", "m", 1, "\ud800key", 0, ""],
+        [1, "tn_a", "m", 0, "", 1, "u\u0000"],
+        [1, "t" * 41, "m", 0, "", 0, ""],
+        [1, "tn_a", "m" * 201, 0, "", 0, ""],
+        [1, "tn_a", "m", 1, "k" * 41, 0, ""],
+        [1, "tn_a", "m", 0, "", 1, "u" * 201],
+    ):
+        with pytest.raises(ValueError):
+            await usage_report_page(sessionmaker, by_end_user=True, cursor=_report_cursor(bad), limit=3)
+    page = await usage_report_page(sessionmaker, by_end_user=True, cursor=_report_cursor(good), limit=3)
+    assert [row.tenant_id for row in page.rows] == ["tn_a"]  # a well-formed cursor still works
+    for bad in (
+        "+5",
+        "1_000",
+        "\uff15",
+        " 5",
+        "5 ",
+        "-0",
+        "0x5",
+        "\u0665",
+        "9" * 5000,
+        "1.",
+        ".1",
+        "1.2.3",
+        "+1.2",
+    ):
+        with pytest.raises(ValueError):
+            parse_cursor(bad)
+        with pytest.raises(ValueError):
+            await export_requests(sessionmaker, cursor=bad)
+    assert parse_cursor("0") == (0, 0) and parse_cursor("9223372036854775807") == (0, 2**63 - 1)
+    assert parse_cursor("12.7") == (12, 7)
+    await engine.dispose()
+
+
 async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db_url):
     """The report was one unbounded answer (a row per end user per hour: 100,000 users, 56 MB). Pages
     follow a cursor over the row order (keys that are NULL or empty included) and miss or repeat no
@@ -345,4 +462,36 @@ async def test_report_pages_follow_a_cursor_and_totals_cover_the_whole_report(db
     for bad in ("abc", "WzFd", "W251bGxd"):
         with pytest.raises(ValueError):
             await usage_report_page(sessionmaker, by_end_user=True, cursor=bad, limit=3)
+    await engine.dispose()
+
+
+async def test_unbilled_records_are_stored_and_told_apart_in_report_and_export(db_url):
+    """``billable`` was only in the spool: a format_error record's tokens (kept at cost 0) reached the
+    table, report and export like billed ones, and billing could not tell them apart."""
+    engine = create_engine(db_url)
+    sessionmaker = create_sessionmaker(engine)
+    prices = Prices(input_per_mtok=3.0, cached_input_per_mtok=0.5, output_per_mtok=7.0)
+    await insert_usage(
+        sessionmaker,
+        [
+            event("billed", prices=prices),
+            event("unbilled", outcome="format_error", status=500, prices=prices, billable=False),
+        ],
+    )
+    async with sessionmaker() as session:
+        stored = dict((await session.execute(select(UsageRecord.request_id, UsageRecord.billable))).all())
+    assert stored == {"billed": True, "unbilled": False}
+    exported = {row["request_id"]: row for row in (await export_requests(sessionmaker)).data}
+    assert (exported["billed"]["billable"], exported["unbilled"]["billable"]) == (True, False)
+    assert exported["unbilled"]["prompt_tokens"] == 100 and exported["unbilled"]["cost_total"] == 0.0
+    [row] = await usage_report(sessionmaker)
+    assert (row.requests, row.unbilled_requests) == (2, 1)
+    assert (row.prompt_tokens, row.unbilled_prompt_tokens) == (200, 100)
+    assert (row.completion_tokens, row.unbilled_completion_tokens) == (20, 10)
+    assert row.cost_total == pytest.approx(event("x", prices=prices).cost.total)
+    totals = await usage_totals(sessionmaker)
+    assert totals == pytest.approx(report_totals([row]))
+    assert (totals["unbilled_requests"], totals["unbilled_prompt_tokens"]) == (1, 100)
+    header = report_to_csv([row]).splitlines()[0].split(",")
+    assert {"unbilled_requests", "unbilled_prompt_tokens", "unbilled_completion_tokens"} <= set(header)
     await engine.dispose()

@@ -31,12 +31,14 @@ async def run(
     params: SamplingParams | None = None,
     segs: list[NamespaceSegment] | None = None,
     use_cache: bool = True,
+    owner: str = "",
 ) -> tuple[list[int], dict, str]:
-    """Run one request to the end; returns (generated ids, usage, text)."""
+    """Run one request to the end; returns (generated ids, usage, text). ``owner``: the tenant tag the
+    gateway names (its prefetch lane and budget share; default the last segment's namespace)."""
     tokens: list[int] = []
     text = ""
     async for out in engine.generate(
-        rid, prompt, params or greedy(), segs or segments(), use_cache=use_cache
+        rid, prompt, params or greedy(), segs or segments(), use_cache=use_cache, owner=owner
     ):
         assert out.error is None, out.error
         tokens += out.token_ids

@@ -121,8 +121,8 @@ def test_hits_are_reported_to_the_policy_in_prompt_order():
     ids = cache_chain(bm, ["r0", "r1", "r2"])
     bm.release(ids)
     seen: list[int] = []
-    on_hit = bm.policy.on_hit
-    bm.policy.on_hit = lambda block_id, now: (seen.append(block_id), on_hit(block_id, now))
+    on_hits = bm.policy.on_hits  # one call per request (issue 14: the default's bookkeeping is batched)
+    bm.policy.on_hits = lambda block_ids, now: (seen.extend(block_ids), on_hits(block_ids, now))
     bm.acquire(ids)
     assert seen == [content_id(h(name)) for name in ["r0", "r1", "r2"]]
 
@@ -166,11 +166,31 @@ def test_reserved_blocks_are_protected_from_other_owners():
     assert bm.allocate("dedicated") == 1  # the owner may evict its own blocks
 
 
-def test_reservations_are_capped():
-    bm = make(num_blocks=10, max_reserved_fraction=0.5)
-    assert bm.set_reservation("a", 4) == 4
-    assert bm.set_reservation("b", 4) == 1
-    assert bm.set_reservation("a", 0) == 0 and "a" not in bm.reserved_blocks
+def test_reservations_are_capped_and_shared_max_min_fairly():
+    bm = make(num_blocks=64, max_reserved_fraction=0.5)  # 32 blocks reservable
+    changes: list[tuple[str, int]] = []
+    bm.on_reservation = lambda ns, granted: changes.append((ns, granted))
+    assert bm.set_reservation("a", 1000) == 32
+    assert bm.set_reservation("b", 8) == 8  # before: 0 (first come took the whole cap)
+    assert bm.reserved_blocks == {"a": 24, "b": 8}
+    assert bm.set_reservation("c", 1000) == 12
+    assert bm.reserved_blocks == {"a": 12, "b": 8, "c": 12}
+    assert bm.set_reservation("c", 1000) == 12  # asked again: nothing changes
+    assert changes == [("a", 32), ("a", 24), ("b", 8), ("a", 12), ("c", 12)]  # shrinks first
+    assert bm.set_reservation("a", 0) == 0  # no longer asked for: released, the others grow
+    assert bm.reserved_blocks == {"b": 8, "c": 24} and "a" not in bm.requested_blocks
+    assert changes[-2:] == [("a", 0), ("c", 24)]
+    assert bm.set_reservation("b", 5) == 5 and bm.reserved_blocks == {"b": 5, "c": 27}
+
+
+def test_a_purge_releases_the_namespace_reservation():
+    bm = make(num_blocks=8)
+    bm.set_reservation("a", 4)
+    bm.set_reservation("b", 4)
+    bm.release(cache_chain(bm, ["a0", "a1"], ns="a"))
+    assert bm.reserved_blocks == {"a": 2, "b": 2}
+    assert bm.purge("a") == 2
+    assert bm.reserved_blocks == {"b": 4} and "a" not in bm.requested_blocks
 
 
 def really_allocatable(bm: BlockManager, ns: str, **kw) -> int:

@@ -9,7 +9,7 @@ import torch
 from policies.hashing import block_hashes
 from tests.worker.conftest import segments
 from worker.tiers.disk import DiskTier
-from worker.tiers.entry import BlockRecord
+from worker.tiers.entry import BlockRecord, encode_entry
 from worker.tiers.host import DemotedBlock
 
 SHAPE = (2, 2, 16, 2, 16)  # random-tiny's block
@@ -99,3 +99,73 @@ def test_a_write_that_finds_no_room_is_refused_not_written_past_the_budget(tmp_p
     assert len(tier.files) == 4
     assert tier.write(_chain(3, 2, "t-x")) == 0
     assert tier.num_bytes <= 4 * file_bytes and tier.stats()["no_room_total"] == 1
+
+
+def _long_chain(count: int, block_size: int) -> list[DemotedBlock]:
+    """Blocks of ``block_size`` tokens with 6-digit ids (a 151k-token vocabulary): a long header per file."""
+    tokens = [100_000 + (i * 7919) % 50_000 for i in range(block_size * count)]
+    hashes = block_hashes(tokens, block_size, FP, segments(b"key-of-tenant-a!" * 2, "t-a"))
+    shape = (1, 2, block_size, 1, 2)  # a tiny payload: the header is the point
+    return [
+        DemotedBlock(
+            record=BlockRecord(
+                block_hash=h,
+                parent_hash=hashes[k - 1] if k else None,
+                token_ids=tuple(tokens[block_size * k : block_size * (k + 1)]),
+            ),
+            namespace_id="t-a",
+            position=k,
+            data=torch.full(shape, float(k)),
+        )
+        for k, h in enumerate(hashes)
+    ]
+
+
+def test_a_file_whose_header_is_larger_than_64_kib_survives_a_restart(tmp_path):
+    def tier() -> DiskTier:
+        return DiskTier(
+            tmp_path,
+            budget_bytes=1 << 30,
+            fingerprint=FP,
+            codec="none",
+            block_shape=(1, 2, 320, 1, 2),
+            dtype=torch.float32,
+            min_free_bytes=0,
+        )
+
+    first = tier()
+    assert first.write(_long_chain(32, 320)) == 32 and first.stats()["files"] == 1  # a 32-block file
+    restarted = tier()
+    stats = restarted.stats()
+    assert stats.get("corrupt_deleted_total", 0) == 0, stats  # before: "truncated entry header", deleted
+    assert stats["blocks"] == 32 and restarted.index == first.index
+
+
+def test_a_file_whose_header_claims_more_than_the_file_holds_is_deleted(tmp_path):
+    first = _tier(tmp_path, 1 << 24)
+    first.write(_chain(1, 2))
+    (path,) = [info.path for info in first.files.values()]
+    data = bytearray(path.read_bytes())
+    data[6:10] = (len(data) + 1).to_bytes(4, "little")  # the header length in the fixed prefix
+    path.write_bytes(data)
+    restarted = _tier(tmp_path, 1 << 24)
+    assert restarted.stats()["corrupt_deleted_total"] == 1 and not path.exists()
+
+
+def test_a_file_listing_no_blocks_is_deleted_not_fatal(tmp_path):
+    first = _tier(tmp_path, 1 << 24)
+    first.write(_chain(1, 2))
+    empty = encode_entry(
+        fingerprint=FP,
+        namespace_id="t-a",
+        codec="none",
+        dtype="float32",
+        block_shape=SHAPE,
+        blocks=[],
+        payloads=[],
+    )  # a valid checksum over a header that lists no block
+    path = first.dir / "t-a" / f"{'0' * 64}.kv"
+    path.write_bytes(empty)
+    restarted = _tier(tmp_path, 1 << 24)  # before: IndexError in _parents_first, the worker never started
+    assert restarted.stats()["corrupt_deleted_total"] == 1 and not path.exists()
+    assert restarted.index == first.index

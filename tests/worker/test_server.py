@@ -96,6 +96,8 @@ async def test_generate_stream_and_non_stream_agree_and_report_usage(worker_url)
             "namespace_id",
         ),
         (body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "..", "key": KEY}]), "namespace_id"),
+        (body("x", [1, 2], owner="a:b"), "'owner'"),
+        (body("x", [1, 2], owner=7), "'owner'"),
     ],
 )
 async def test_bad_input_gets_an_openai_style_400(worker_url, payload, message):

@@ -4,6 +4,8 @@ index to every worker sharing that Redis, never across namespaces."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1
 from worker.engine import Engine
 from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
 from worker.tiers.disk import DiskTier
-from worker.tiers.entry import BlockRecord
+from worker.tiers.entry import BlockRecord, encode_entry
 from worker.tiers.host import DemotedBlock
 from worker.tiers.remote import RemoteTier
 
@@ -133,6 +135,79 @@ def test_disk_eviction_is_announced(tmp_path):
     assert set(held(log, "L3")) == set(disk.index)  # the events say exactly what the index holds
 
 
+def _disk(root, budget_bytes: int, log: KVEventLog | None = None) -> DiskTier:
+    return DiskTier(
+        root,
+        budget_bytes=budget_bytes,
+        fingerprint=b"events" * 6,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        min_free_bytes=0,
+        max_blocks_per_file=16,
+        events=None if log is None else TierEvents(log, "L3"),
+    )
+
+
+def _batch(log: KVEventLog, since: int, capacity: dict[str, int]) -> dict:
+    """What ``GET /v1/kv_events?since=…`` answers with the consumer's default page (4096 events)."""
+    batch = log.since(since, max_events=4096)
+    return {
+        "worker_id": "w1",
+        "last_seq": batch.last_seq,
+        "reset": batch.reset,
+        "events": [event.to_json() for event in batch.events],
+        "capacity_blocks": capacity,
+    }
+
+
+def test_a_disk_restarted_with_a_smaller_budget_announces_only_the_files_it_keeps(tmp_path):
+    before = _disk(tmp_path, budget_bytes=64 << 20)
+    for seed in range(100):  # 1600 blocks on disk
+        assert before.write(_blocks(f"t-{seed % 4}", seed, 16)) == 16
+    log = KVEventLog()
+    after = _disk(tmp_path, budget_bytes=64 * BLOCK_BYTES, log=log)  # the operator shrank --l3-bytes
+    assert 0 < len(after.index) <= 64
+    events = log.since(0, max_events=1 << 20).events
+    # Before: 1600 BlockStored, then 1536+ BlockRemoved of blocks nobody had been told about.
+    assert {e.kind for e in events} == {BLOCK_STORED}
+    assert [e.block_hash for e in events] == [r.block_hash for f in after.files.values() for r in f.records]
+    capacity = {"L1": 64, "L2": 16, "L3": after.budget_bytes // after.block_payload_bytes}
+    index = PrefixIndex()
+    index.apply("http://w", _batch(log, 0, capacity))  # before: refused as "more blocks than its tiers hold"
+    assert set(index.workers["http://w"].blocks) == set(after.index)
+
+
+def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
+    log = KVEventLog()
+    remote = RemoteTier(
+        kv_redis_url,
+        fingerprint=b"no-blocks!" * 4,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        budget_bytes=1 << 20,
+        ttl_s=60,
+        timeout_s=1.0,
+        events=TierEvents(log, "remote"),
+    )
+    (block,) = _blocks("t-a", 1, 1)
+    key = remote.key("t-a", block.record.block_hash)
+    empty = encode_entry(
+        fingerprint=remote.fingerprint,
+        namespace_id="t-a",
+        codec="none",
+        dtype="float32",
+        block_shape=SHAPE,
+        blocks=[],
+        payloads=[],
+    )  # a valid header checksum over a header that lists no block
+    remote.client.set(key, empty)
+    # Before: IndexError out of get_run (the prefetch that asked failed, not a miss).
+    assert remote.get_run(["t-a"], [block.record.block_hash], [block.record.token_ids]) == ([], None)
+    assert remote.counters["corrupt_deleted_total"] == 1 and not remote.client.exists(key)
+
+
 def test_redis_events_name_written_evicted_and_purged_blocks(kv_redis_url):
     def tier(budget_bytes: int, fingerprint: bytes = b"events-redis" * 3) -> tuple[RemoteTier, KVEventLog]:
         log = KVEventLog()
@@ -248,3 +323,64 @@ def test_a_read_racing_a_purge_neither_rebooks_nor_reannounces_the_purged_blocks
     keys = {reader.key("t-a", b.record.block_hash).encode() for b in blocks}
     assert keys.isdisjoint(reader.client.zrange(reader._lru, 0, -1))  # nor booked in the LRU
     assert not any(reader.client.exists(key) for key in keys)
+
+
+def _events_tier(url: str, *, budget_bytes: int, ttl_s: float) -> tuple[RemoteTier, KVEventLog]:
+    log = KVEventLog(capacity_events=16)  # a small ring: the state is read through a snapshot
+    remote = RemoteTier(
+        url,
+        fingerprint=b"remote-event-state" * 2,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        budget_bytes=budget_bytes,
+        ttl_s=ttl_s,
+        timeout_s=1.0,
+        events=TierEvents(log, "remote"),
+    )
+    return remote, log
+
+
+def _snapshot_of(log: KVEventLog) -> set[bytes]:
+    """The Redis blocks a gateway that fell behind the ring is sent (a snapshot's pages)."""
+    page = log.read(0, max_events=1 << 20).snapshot
+    assert page is not None
+    return {bytes.fromhex(x) for e in page.events if e["medium"] == "remote" for x in e["block_hashes"]}
+
+
+def _in_redis(remote: RemoteTier, namespace_id: str) -> set[bytes]:
+    keys = remote.client.scan_iter(match=f"{remote.prefix}:{namespace_id}:*")
+    return {bytes.fromhex(key.decode().rsplit(":", 1)[1]) for key in keys}
+
+
+def test_blocks_redis_expired_leave_the_workers_state(kv_redis_url):
+    """r7 #4: 100 blocks Redis had expired by TTL stayed in the worker's state, re-announced by every
+    snapshot (with a fresh TTL at the gateway), growing without bound in a long-running worker."""
+    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 24, ttl_s=2.0)
+    for seed in range(25):
+        remote.put(_blocks("t-a", seed, 4))
+    assert _snapshot_of(log) == _in_redis(remote, "t-a") and len(_in_redis(remote, "t-a")) == 100
+    deadline = time.monotonic() + 20
+    while _in_redis(remote, "t-a") and time.monotonic() < deadline:  # Redis expires them (silently)
+        time.sleep(0.2)
+    assert _in_redis(remote, "t-a") == set()
+    time.sleep(0.5)  # the worker's clock for a block starts when its write returned, after Redis's did
+    assert _snapshot_of(log) == set() and log._state["remote"] == {}
+
+
+def test_blocks_another_worker_evicted_leave_the_workers_state(kv_redis_url):
+    """r7 #4: blocks another worker's writes evicted from the shared Redis stayed in this worker's state
+    and snapshots (it only hears of the evictions its own writes cause)."""
+    entry_bytes = torch.Size(SHAPE).numel() * 4 + 2000
+    first, first_log = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
+    second, _ = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
+    early = _blocks("t-a", 1, 4)
+    first.put(early)
+    for seed in range(2, 12):  # the second worker's writes evict the first's blocks, unannounced to it
+        second.put(_blocks("t-b", seed, 4))
+    assert _in_redis(first, "t-a") == set()
+    for seed in range(20, 30):  # the first worker writes on (its own evictions it announces)
+        first.put(_blocks("t-a", seed, 4))
+    held = _snapshot_of(first_log)
+    assert held == _in_redis(first, "t-a") and held, "the snapshot must be what Redis holds of t-a"
+    assert held.isdisjoint(b.record.block_hash for b in early)

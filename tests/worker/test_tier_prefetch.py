@@ -4,6 +4,8 @@ waiting requests prefetched stays within the L2 budget."""
 import asyncio
 import threading
 
+import pytest
+
 from policies.hashing import NamespaceSegment
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
@@ -30,13 +32,24 @@ def test_fair_queue_serves_namespaces_in_turn_and_each_in_order():
     assert queue.get() is None  # closed: what was queued is dropped
 
 
+GLOBAL = [NamespaceSegment(start_token=0, namespace_id="global", key=b"the-global-pool!" * 2)]
+
+
+@pytest.mark.parametrize(
+    ("a_segs", "b_segs", "a_owner", "b_owner"),
+    [(A, B, "", ""), (GLOBAL, GLOBAL, "t-a", "t-b")],
+    ids=["namespace-tenants", "shared-tenants"],
+)
 async def test_one_tenants_cold_burst_does_not_queue_another_behind_its_redis_reads(
-    make_engine, kv_redis_url
+    make_engine, kv_redis_url, a_segs, b_segs, a_owner, b_owner
 ):
     """Every cold request asks Redis (0.2 s a reply through the link: a hit, not a fault). Before, B's one
     read waited behind all of A's burst (one FIFO for everyone): B finished after nearly all of A's. The
     Redis timeout is raised well past the link's delay: what is measured is the queue, and the default 250 ms
-    left 50 ms of margin, which a loaded CI machine overran once (errors_total 1)."""
+    left 50 ms of margin, which a loaded CI machine overran once (errors_total 1).
+
+    shared-tenants: two ``shared`` tenants hash in the one global namespace; the lanes were namespaces, so
+    B still waited behind A's whole burst. The lane is now the owner the gateway names on the request."""
     port = int(kv_redis_url.split(":")[2].split("/")[0])
     db = kv_redis_url.rsplit("/", 1)[1]
     link = SlowLink(port, delay_s=0.2)
@@ -50,13 +63,16 @@ async def test_one_tenants_cold_burst_does_not_queue_another_behind_its_redis_re
         )
         finished: list[str] = []
 
-        async def request(rid: str, prompt: list[int], segs) -> None:
-            await run(engine, rid, prompt, segs=segs, params=greedy(2))
+        async def request(rid: str, prompt: list[int], segs, owner: str) -> None:
+            await run(engine, rid, prompt, segs=segs, params=greedy(2), owner=owner)
             finished.append(rid)
 
-        flood = [asyncio.create_task(request(f"a{i}", prompt_of(1000 + i, 48), A)) for i in range(burst)]
+        flood = [
+            asyncio.create_task(request(f"a{i}", prompt_of(1000 + i, 48), a_segs, a_owner))
+            for i in range(burst)
+        ]
         await asyncio.sleep(0.05)  # A's prefetches are queued
-        await request("b", prompt_of(501, 48), B)
+        await request("b", prompt_of(501, 48), b_segs, b_owner)
         a_before_b = finished.index("b")
         await asyncio.gather(*flood)
         errors = engine.stats()["tiers"]["remote"].get("errors_total", 0)
@@ -132,21 +148,27 @@ def _budget_engine(make_engine, tmp_path, monkeypatch):
     return engine
 
 
+@pytest.mark.parametrize(
+    ("a_segs", "b_segs", "a_owner", "b_owner"),
+    [(A, B, "", ""), (GLOBAL, GLOBAL, "t-a", "t-b")],
+    ids=["namespace-tenants", "shared-tenants"],
+)
 async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetch_budget(
-    make_engine, tmp_path, monkeypatch
+    make_engine, tmp_path, monkeypatch, a_segs, b_segs, a_owner, b_owner
 ):
     """r4: the budget was one first-come pool held by waiting requests until admitted: tenant A's 4
     waiting cold requests held all 131,072 B, and B's one request got no prefetch (50 blocks skipped, its
     10 blocks on disk recomputed). Now one namespace alone may hold at most half the budget (and a second
-    one a third, r5)."""
+    one a third, r5). shared-tenants: two ``shared`` tenants (one global namespace) were one owner, so B
+    found A's half taken and got nothing; the share is now the tenant's the gateway names."""
     block_bytes = BUDGET_TEST_BLOCK_BYTES
     engine = _budget_engine(make_engine, tmp_path, monkeypatch)
     c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
     a_prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
     b_prompt = prompt_of(777, 160)
     for i, p in enumerate(a_prompts):
-        await run(engine, f"fill-a{i}", p, segs=A, params=greedy(1))
-    await run(engine, "fill-b", b_prompt, segs=B, params=greedy(1))
+        await run(engine, f"fill-a{i}", p, segs=a_segs, params=greedy(1))
+    await run(engine, "fill-b", b_prompt, segs=b_segs, params=greedy(1))
     for i in range(4):  # push them out of L1 and L2, onto disk
         await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
     engine.store.wait_for_writes()
@@ -154,12 +176,12 @@ async def test_one_tenants_waiting_burst_leaves_another_its_share_of_the_prefetc
     while not engine.stats()["num_running"]:
         await asyncio.sleep(0.01)
     burst = [
-        asyncio.create_task(run(engine, f"a{i}", p, segs=A, params=greedy(1)))
+        asyncio.create_task(run(engine, f"a{i}", p, segs=a_segs, params=greedy(1), owner=a_owner))
         for i, p in enumerate(a_prompts)
     ]
     await asyncio.sleep(0.3)  # A's prefetches landed and are held by its waiting requests
     staged_by_a = engine.stats()["tiers"]["prefetch"]["staged_bytes"]
-    b = asyncio.create_task(run(engine, "b", b_prompt, segs=B, params=greedy(1)))
+    b = asyncio.create_task(run(engine, "b", b_prompt, segs=b_segs, params=greedy(1), owner=b_owner))
     await hog
     _, b_usage, _ = await b
     a_results = await asyncio.gather(*burst)
@@ -233,4 +255,59 @@ async def test_a_request_whose_failure_cleanup_fails_gives_its_prefetch_budget_b
             break
         await asyncio.sleep(0.01)
     assert "doomed" not in engine._sequences
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_blocks_skipped_for_want_of_budget_are_prefetched_once_it_comes_back(
+    make_engine, tmp_path, monkeypatch
+):
+    """A prefetch cut to the owner's share of the budget (or not made at all: the share was taken) was
+    never planned again: the requests waiting behind recomputed their blocks on disk although the budget
+    came back long before their turn ([8, 0, 0, 0] blocks from disk). Now a waiting request's skipped
+    blocks are planned again as soon as its owner has room, and read while it still waits. (Not every
+    one gets them: the lone owner's share is 8 blocks, one request's worth at a time, and a request whose
+    blocks are being read lets the next one be admitted first: [8, 8, 0, 8] in one run.)"""
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)  # a lone owner may stage 8 blocks
+    c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
+    prompts = [prompt_of(300 + i, 160) for i in range(4)]  # 10 blocks each
+    for i, p in enumerate(prompts):
+        await run(engine, f"fill-{i}", p, segs=A, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=c, params=greedy(300)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    waiting = [
+        asyncio.create_task(run(engine, f"w{i}", p, segs=A, params=greedy(1))) for i, p in enumerate(prompts)
+    ]
+    await hog
+    results = await asyncio.gather(*waiting)
+    from_l3 = [u["cached_tokens_by_source"].get("l3", 0) // 16 for _, u, _ in results]
+    assert from_l3[0] >= 8 and sum(blocks >= 8 for blocks in from_l3) >= 2, from_l3
+    assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0
+
+
+async def test_a_resumed_prefetch_continues_the_run_the_request_holds(make_engine, tmp_path, monkeypatch):
+    """The owner's 8-block share: ``small`` holds 4 of it, so ``big``'s prefetch is cut after 4 of its
+    10 blocks on disk. Once ``small`` is loaded its 4 come back, and ``big``'s next 4 are read and joined
+    to the run it holds: 8 blocks from disk, where it had 4 (the rest was recomputed)."""
+    engine = _budget_engine(make_engine, tmp_path, monkeypatch)
+    c = [NamespaceSegment(start_token=0, namespace_id="t-c", key=b"key-of-tenant-c!" * 2)]
+    small, big = prompt_of(301, 80), prompt_of(302, 160)  # 5 blocks (4 to fetch: one is computed), 10
+    await run(engine, "fill-small", small, segs=A, params=greedy(1))
+    await run(engine, "fill-big", big, segs=A, params=greedy(1))
+    for i in range(4):  # push them out of L1 and L2, onto disk
+        await run(engine, f"push-{i}", prompt_of(900 + i, 320), segs=c, params=greedy(1))
+    engine.store.wait_for_writes()
+    hog = asyncio.create_task(run(engine, "busy", prompt_of(999, 32), segs=c, params=greedy(300)))
+    while not engine.stats()["num_running"]:
+        await asyncio.sleep(0.01)
+    first = asyncio.create_task(run(engine, "small", small[:64], segs=A, params=greedy(1)))
+    await asyncio.sleep(0.2)  # its 4 blocks are held before the big one arrives
+    second = asyncio.create_task(run(engine, "big", big, segs=A, params=greedy(1)))
+    await hog
+    (_, small_usage, _), (_, big_usage, _) = await asyncio.gather(first, second)
+    assert small_usage["cached_tokens_by_source"].get("l3", 0) == 3 * 16, small_usage
+    assert big_usage["cached_tokens_by_source"].get("l3", 0) >= 8 * 16, big_usage
     assert engine.stats()["tiers"]["prefetch"]["staged_bytes"] == 0

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -34,11 +35,13 @@ from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import entry_codec, get_codec
 from worker.tiers.entry import (
+    PREFIX_BYTES,
     BlockRecord,
     CorruptEntry,
     EntryHeader,
     decode_header,
     encode_entry,
+    header_bytes,
     payloads,
 )
 from worker.tiers.host import DemotedBlock
@@ -46,7 +49,9 @@ from worker.tiers.host import DemotedBlock
 log = logging.getLogger("prefixgate.worker.disk")
 _NS_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
 MAX_DIRNAME_CHARS = 128  # well under NAME_MAX (255 bytes on the usual file systems)
-HEADER_READ_BYTES = 1 << 16
+# A sane bound on one file's header (it lists each block's token ids): 32 blocks of 4,096 tokens of
+# 10-digit ids are ~1.5 MB. A header claiming more, or more than its file, is corrupt.
+MAX_HEADER_BYTES = 64 << 20
 DIR_MODE = 0o700  # KV files hold tenants' prompts (token ids, keys/values): owner only
 FILE_MODE = 0o600
 
@@ -194,7 +199,7 @@ class DiskTier:
                 try:
                     size = path.stat().st_size
                     with path.open("rb") as handle:
-                        head = handle.read() if self.cipher else handle.read(HEADER_READ_BYTES)
+                        head = handle.read() if self.cipher else self._read_header(handle, size)
                     entry_bytes = size
                     if self.cipher is not None:  # a file in clear is not trusted either: deleted
                         _, head = self.cipher.open(head)
@@ -209,10 +214,28 @@ class DiskTier:
                     self.counters["corrupt_deleted_total"] += 1
                     continue
                 found.append((path, header, size))
-        for path, header, size in _parents_first(found):
-            self._register(path, header.namespace_id, header.blocks, size)
-        self.counters["files_recovered_total"] = len(self.files)
-        self._make_room(0, writer="")  # restarted with a smaller budget than the files found
+        # Announced once trimmed to the budget: a disk found fuller than a smaller new budget used to be
+        # announced whole, then its evictions, a batch the gateway's index refused as hostile.
+        events, self.events = self.events, None
+        try:
+            for path, header, size in _parents_first(found):
+                self._register(path, header.namespace_id, header.blocks, size)
+            self.counters["files_recovered_total"] = len(self.files)
+            self._make_room(0, writer="")  # restarted with a smaller budget than the files found
+        finally:
+            self.events = events
+        if events is not None:
+            for info in self.files.values():  # parents first, as registered
+                events.stored(info.namespace_id, info.records)
+
+    @staticmethod
+    def _read_header(handle: BinaryIO, size: int) -> bytes:
+        """A file's header, exactly (its length is in the fixed prefix). Raises CorruptEntry."""
+        head = handle.read(PREFIX_BYTES)
+        num_bytes = header_bytes(head)
+        if num_bytes > min(size, MAX_HEADER_BYTES):
+            raise CorruptEntry(f"entry header of {num_bytes} bytes in a file of {size}")
+        return head + handle.read(num_bytes - len(head))
 
     # ---- index ---------------------------------------------------------------------------------
     def _register(self, path: Path, namespace_id: str, records: Sequence[BlockRecord], size: int) -> None:

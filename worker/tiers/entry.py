@@ -27,6 +27,9 @@ _PREFIX = struct.Struct("<4sHI")
 _DIGEST = 16
 
 
+PREFIX_BYTES = _PREFIX.size  # the fixed prefix, enough to learn how long the header is (``header_bytes``)
+
+
 class CorruptEntry(ValueError):
     """An entry that is truncated, altered, or written for another model."""
 
@@ -98,14 +101,24 @@ def encode_entry(
     return b"".join([_PREFIX.pack(MAGIC, VERSION, len(raw)), raw, _digest(raw), *payloads])
 
 
-def decode_header(data: bytes | memoryview, *, fingerprint: bytes | None = None) -> EntryHeader:
-    """Parse and verify an entry's header (payload checksums are checked by ``payload``)."""
-    if len(data) < _PREFIX.size:
+def header_bytes(prefix: bytes | memoryview) -> int:
+    """How many leading bytes of an entry its header takes (prefix, header, checksum), from its first
+    ``PREFIX_BYTES``; raises CorruptEntry when they are not an entry's prefix."""
+    if len(prefix) < _PREFIX.size:
         raise CorruptEntry("truncated entry prefix")
-    magic, version, length = _PREFIX.unpack_from(data)
+    magic, version, length = _PREFIX.unpack_from(prefix)
     if magic != MAGIC or version != VERSION:
         raise CorruptEntry("not a prefixgate KV entry")
-    end = _PREFIX.size + length
+    return _PREFIX.size + length + _DIGEST
+
+
+def decode_header(data: bytes | memoryview, *, fingerprint: bytes | None = None) -> EntryHeader:
+    """Parse and verify an entry's header (payload checksums are checked by ``payload``).
+
+    An entry lists at least one block: one listing none is corrupt (never written, and its readers take
+    the first block as the entry's identity).
+    """
+    end = header_bytes(data) - _DIGEST
     if len(data) < end + _DIGEST:
         raise CorruptEntry("truncated entry header")
     raw = bytes(data[_PREFIX.size : end])
@@ -134,6 +147,8 @@ def decode_header(data: bytes | memoryview, *, fingerprint: bytes | None = None)
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptEntry(f"malformed entry header: {exc}") from None
+    if not header.blocks:
+        raise CorruptEntry("entry lists no blocks")
     if fingerprint is not None and header.fingerprint != fingerprint:
         raise CorruptEntry("entry was written for another model fingerprint")
     return header

@@ -1,11 +1,12 @@
-"""The prefetch readers' queue: one FIFO per namespace, the namespaces served in turn.
+"""The prefetch readers' queue: one FIFO per owner (tenant tag), the owners served in turn.
 
 Every request with blocks only in L3 or Redis queues a prefetch, and each prefetch waits for its reads
 (a Redis round trip can take a good part of the 250 ms timeout on a busy host). With one FIFO for all,
 one tenant's burst of cold prompts queued every other tenant's request behind all of its reads (r2 #2:
-0.21 s alone, 4.6 s during another tenant's 40-request burst). Here a namespace's prefetches wait only
-behind its own; between namespaces the readers take one each in turn (round robin), so another tenant
-waits at most for the reads already in flight.
+0.21 s alone, 4.6 s during another tenant's 40-request burst). Here a tenant's prefetches wait only
+behind its own; between tenants the readers take one each in turn (round robin), so another tenant
+waits at most for the reads already in flight. The key is the tenant the gateway names, not the
+namespace: every ``shared`` tenant hashes in the one global namespace.
 """
 
 from __future__ import annotations

@@ -125,6 +125,16 @@ class RemoteTier:
         self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition
         self._down_until = 0.0
         self.counters: Counter[str] = Counter()
+        self._bound_events()
+
+    def _bound_events(self) -> None:
+        """Redis expires blocks and other workers' writes evict them unannounced: this worker's record of
+        the tier (its KV-event state) keeps a block no longer than its TTL, and no more blocks than the
+        budget and the dedicated partitions hold (a block's payload alone: an upper bound)."""
+        if self.events is not None:
+            per_block = self.codec.payload_bytes(self.block_shape, self.dtype)
+            max_blocks = (self.budget_bytes + sum(self._quotas.values())) // max(1, per_block)
+            self.events.bound(ttl_s=self.ttl_ms / 1000, max_blocks=max_blocks)
 
     def key(self, namespace_id: str, block_hash: BlockHash) -> str:
         return f"{self.prefix}:{namespace_id}:{block_hash.hex()}"
@@ -157,10 +167,13 @@ class RemoteTier:
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
         """Give a dedicated owner its own LRU partition of ``num_bytes``: others' writes never evict it."""
+        if self._quotas.get(namespace_id, 0) == max(0, num_bytes):
+            return  # (every request of a dedicated tenant sets it again)
         if num_bytes > 0:
             self._quotas[namespace_id] = num_bytes
         else:
             self._quotas.pop(namespace_id, None)
+        self._bound_events()
 
     def _accounting(self, namespace_id: str) -> tuple[list[str], int]:
         """(LRU set, sizes hash, byte counter) keys and the budget that a namespace's blocks count against."""

@@ -2,6 +2,9 @@
 
 - Eviction from L1 demotes the block into L2 (a synchronous device→host copy: the slot is reused at once);
   eviction from L2 demotes chunks to a writer thread that stores them in L3 and the remote tier.
+- A purge never waits for the writer on the engine thread: each queued chunk carries the write generation
+  it was queued in, and the writer drops the blocks of a namespace purged since (``purge_local``); L3 and
+  Redis are erased off the engine thread once the write under way, if any, has ended (``purge_stored``).
 - When a request arrives, its prefix is looked up across tiers at once; blocks found only in L3 or Redis
   are prefetched into L2 by reader threads while the request waits for admission and other requests run;
   the request keeps its copy until admitted, within a byte budget of its own (``prefetch_bytes``).
@@ -72,7 +75,8 @@ class PrefetchPlan:
     disk_blocks: int = 0
     use_remote: bool = False
     staged_bytes: int = 0  # of the prefetch budget, reserved for this plan's blocks
-    owner: str = ""  # namespace of the request: prefetches queue per owner, owners are served in turn
+    owner: str = ""  # tenant tag of the request: prefetches queue per owner, owners are served in turn
+    resume_at: int | None = None  # first block of the chain the budget cut off (None: none), planned later
 
 
 @dataclass(slots=True)
@@ -84,7 +88,8 @@ class PrefetchResult:
     namespace_ids: list[str]
     data: torch.Tensor | None
     staged_bytes: int = 0  # of the prefetch budget, reserved for the plan (held until it is given back)
-    owner: str = ""  # namespace of the request (whose share of the budget ``staged_bytes`` is)
+    owner: str = ""  # tenant tag of the request (whose share of the budget ``staged_bytes`` is)
+    resume_at: int | None = None  # the plan's: where the chain continues once budget comes back
 
     def head(self, num_blocks: int) -> PrefetchResult:
         """The first ``num_blocks`` blocks of the run (a copy: the rest is freed)."""
@@ -97,6 +102,25 @@ class PrefetchResult:
             data=self.data[:num_blocks].clone() if num_blocks and self.data is not None else None,
             staged_bytes=self.staged_bytes,
             owner=self.owner,
+        )
+
+    def extend(self, more: PrefetchResult) -> PrefetchResult:
+        """This run followed by ``more``, which continues it (one run, as the scheduler loads it)."""
+        assert more.start == self.start + len(self.records)
+        if self.data is None or more.data is None:
+            data = more.data if self.data is None else self.data
+        else:
+            data = torch.cat([self.data, more.data])
+        return PrefetchResult(
+            request_id=self.request_id,
+            start=self.start,
+            records=self.records + more.records,
+            sources=self.sources + more.sources,
+            namespace_ids=self.namespace_ids + more.namespace_ids,
+            data=data,
+            staged_bytes=self.staged_bytes + more.staged_bytes,
+            owner=self.owner,
+            resume_at=more.resume_at,
         )
 
 
@@ -179,14 +203,21 @@ class TieredStore:
             "l3": Bandwidth(500e6),
             "remote": Bandwidth(100e6),
         }
-        # Host bytes reserved for prefetches in flight and held by waiting requests, per namespace (its
-        # fair share; engine thread only).
+        # Host bytes reserved for prefetches in flight and held by waiting requests, per owner (tenant
+        # tag: its fair share; engine thread only).
         self.staged_by_owner: dict[str, int] = {}
-        self.prefetch_skipped_blocks = 0  # not prefetched: the budget was taken by waiting requests
+        self.prefetch_skipped_blocks = 0  # cut from arrivals' prefetches by the budget (some read later)
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
-        self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
+        self._writes: queue.Queue[tuple[int, list[DemotedBlock]] | None] = queue.Queue(maxsize=256)
         self.dropped_demotions = 0
+        self._write_generation = 0  # bumped by every purge (engine thread); queued chunks carry it
+        # namespace -> write generation of its latest purge: the writer drops its blocks queued before
+        self._purged_writes: dict[str, int] = {}
+        # Guards ``_purged_writes`` and the chunk counts (never held across I/O); notified per chunk written.
+        self._chunk_written = threading.Condition()
+        self._num_chunks_taken = 0  # chunks the writer has filtered (the one being written included)
+        self._num_chunks_written = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
         self._writer.start()
         self._prefetches: FairQueue[PrefetchPlan] = FairQueue()
@@ -243,25 +274,41 @@ class TieredStore:
         if self.disk is None and self.remote is None:
             return
         try:
-            self._writes.put_nowait(blocks)
+            self._writes.put_nowait((self._write_generation, blocks))
         except queue.Full:  # the disk is slower than eviction: it is a cache, drop rather than stall
             self.dropped_demotions += len(blocks)
 
     def _write_loop(self) -> None:
         while True:
-            blocks = self._writes.get()
-            if blocks is None:
+            item = self._writes.get()
+            if item is None:
                 self._writes.task_done()
                 return
             try:
-                if self.disk is not None:
+                blocks = self._unpurged(*item)
+                if blocks and self.disk is not None:
                     self.disk.write(blocks)
-                if self.remote is not None:
+                if blocks and self.remote is not None:
                     self.remote.put(blocks)
             except Exception:  # a failed write loses cache, never the worker
                 log.exception("demotion write failed")
             finally:
+                with self._chunk_written:  # a purge's erase may wait for this chunk (``purge_stored``)
+                    self._num_chunks_written += 1
+                    self._chunk_written.notify_all()
                 self._writes.task_done()
+
+    def _unpurged(self, generation: int, blocks: list[DemotedBlock]) -> list[DemotedBlock]:
+        """The blocks of a chunk queued at ``generation`` whose namespace was not purged since (writer).
+
+        Chunks are queued in generation order (engine thread), so once one of ``generation`` is taken no
+        chunk queued before a purge of that generation or older is left: those purges are forgotten."""
+        with self._chunk_written:
+            kept = [b for b in blocks if self._purged_writes.get(b.namespace_id, -1) <= generation]
+            for namespace_id in [ns for ns, g in self._purged_writes.items() if g <= generation]:
+                del self._purged_writes[namespace_id]
+            self._num_chunks_taken += 1
+        return kept
 
     # ---- prefetch (arrival) ------------------------------------------------------------------------
     def plan_prefetch(
@@ -272,10 +319,16 @@ class TieredStore:
         namespace_ids: Sequence[str],
         num_l1: int,
         owner: str = "",
-    ) -> PrefetchPlan | None:
-        """What to fetch for a new request of namespace ``owner`` whose first ``num_l1`` blocks are in L1
-        (None: nothing). A namespace holds at most its share of the budget (``_prefetch_room``)."""
+        from_block: int | None = None,
+    ) -> tuple[PrefetchPlan | None, int | None]:
+        """What to fetch for a request of tenant ``owner`` whose first ``num_l1`` blocks are in L1, from
+        block ``from_block`` on at the earliest (a plan resumed: what it holds already); returns (the
+        plan or None: nothing; the first block the budget cut off or None, to plan again once there is
+        room). An owner holds at most its share of the budget (``_prefetch_room``). The owner is the
+        tenant tag the gateway names, not the blocks' namespace: ``shared`` tenants all hash in the
+        global namespace, and one of them must not take the others' share or lane."""
         start = num_l1 + len(self.l2.match(hashes[num_l1:], token_blocks[num_l1:]))
+        start = max(start, from_block or 0)
         plan = PrefetchPlan(
             request_id=request_id,
             start=start,
@@ -285,16 +338,18 @@ class TieredStore:
             owner=owner,
         )
         room = self._prefetch_room(owner) // self.bytes_per_block
-        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: recompute the rest
-            self.prefetch_skipped_blocks += len(plan.hashes) - room
+        if len(plan.hashes) > room:  # the budget is taken by what waiting requests hold: later, or recompute
+            if from_block is None:  # counted once, when the request arrives (a resumed plan reads some)
+                self.prefetch_skipped_blocks += len(plan.hashes) - room
             del plan.hashes[room:], plan.token_blocks[room:], plan.namespace_ids[room:]
+            plan.resume_at = start + room
         if not plan.hashes:
-            return None
+            return None, plan.resume_at
         if self.disk is not None:
             found = self.disk.match(plan.hashes, plan.token_blocks)
             if found and not self.worth_loading("l3", len(found)):
                 self.gated["l3"] += len(found)
-                return None
+                return None, None
             for file_id, position in found:
                 last = plan.disk_reads[-1] if plan.disk_reads else None
                 if last is not None and last[0] == file_id and last[1][-1] + 1 == position:
@@ -306,14 +361,20 @@ class TieredStore:
             self.remote is not None and self.remote.available and plan.disk_blocks < len(plan.hashes)
         )
         if not plan.disk_blocks and not plan.use_remote:
-            return None
+            return None, None
+        if plan.disk_blocks < len(plan.hashes) and not plan.use_remote:
+            plan.resume_at = None  # the chain ends on disk before the cut: nothing after it to fetch
         plan.staged_bytes = (len(plan.hashes) if plan.use_remote else plan.disk_blocks) * self.bytes_per_block
         self._stage(owner, plan.staged_bytes)
-        return plan
+        return plan, plan.resume_at
+
+    def has_prefetch_room(self, owner: str) -> bool:
+        """Whether ``owner`` may stage a block now (a cut plan is worth planning again)."""
+        return self._prefetch_room(owner) >= self.bytes_per_block
 
     def _prefetch_room(self, owner: str) -> int:
-        """Bytes ``owner`` may stage now. With k namespaces staging (``owner`` included) each holds at most
-        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of a namespace
+        """Bytes ``owner`` may stage now. With k owners staging (``owner`` included) each holds at most
+        budget // (k + 1); one already staging also leaves budget // (k + 2) free, the share of an owner
         that stages nothing yet, so a newcomer always finds room while the earlier ones keep theirs."""
         budget, held = self.config.prefetch_bytes, self.staged_by_owner.get(owner, 0)
         staging = len(self.staged_by_owner) + (0 if held else 1)
@@ -326,7 +387,7 @@ class TieredStore:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of the prefetch budget reserved now, all namespaces together."""
+        """Bytes of the prefetch budget reserved now, all owners together."""
         return sum(self.staged_by_owner.values())
 
     def _stage(self, owner: str, num_bytes: int) -> None:
@@ -396,6 +457,7 @@ class TieredStore:
             data=data,
             staged_bytes=plan.staged_bytes,
             owner=plan.owner,
+            resume_at=plan.resume_at,
         )
         self._post(("prefetched", result))
 
@@ -440,12 +502,22 @@ class TieredStore:
         self._writes.join()
 
     def purge_local(self, namespace_id: str) -> dict[str, int]:
-        """Erase a namespace from L2 and L3 (engine thread); the remote tier is ``purge_remote``."""
-        self._writes.join()  # nothing of the namespace may land on disk or in Redis after the purge
-        erased = {"l2": self.l2.purge(namespace_id)}
-        if self.disk is not None:
-            erased["l3"] = self.disk.purge(namespace_id)
-        return erased
+        """Erase a namespace from L2 and drop its queued writes (engine thread, never waits on the writer);
+        L3 is ``purge_stored`` and Redis ``purge_remote``, off the engine thread, in that order."""
+        if self.disk is not None or self.remote is not None:  # else nothing is ever queued
+            self._write_generation += 1  # chunks queued from now on are not of the purge's past
+            with self._chunk_written:
+                self._purged_writes[namespace_id] = self._write_generation
+        return {"l2": self.l2.purge(namespace_id)}
+
+    def purge_stored(self, namespace_id: str) -> dict[str, int]:
+        """Erase a namespace from L3 after ``purge_local`` (any thread): waits for the chunk being written
+        now, if any (it may have been filtered before the purge); the chunks after it are filtered by the
+        writer, so the wait is one chunk at most. Call it before ``purge_remote``, which relies on it."""
+        with self._chunk_written:
+            taken = self._num_chunks_taken
+            self._chunk_written.wait_for(lambda: self._num_chunks_written >= taken)
+        return {} if self.disk is None else {"l3": self.disk.purge(namespace_id)}
 
     def purge_remote(self, namespace_id: str) -> int | None:
         """Erase a namespace from Redis (any thread; None without a remote tier).
