@@ -32,9 +32,9 @@ class OutsideLists:
     def __init__(self, num_lists: int) -> None:
         self.lists: tuple[dict[BlockId, int], ...] = tuple({} for _ in range(num_lists))
         self._heaps: tuple[list[tuple[int, BlockId]], ...] = tuple([] for _ in range(num_lists))
-        # Entries not yet in their heap, pushed when the list is next searched: most lists are not the
-        # leader's, and most entries leave before it is searched.
-        self._pending: tuple[list[tuple[int, BlockId]], ...] = tuple([] for _ in range(num_lists))
+        # Only the list searched last (the leader's) keeps its heap up to date; another one's heap is
+        # rebuilt when it is searched (after a switch of leader): most entries of the others leave first.
+        self._searched: int | None = None
         self._next_number = 0
         self._leaf_only = False
         self._parent_of: dict[BlockId, BlockId | None] = {}  # tracked id -> its tracked parent
@@ -62,19 +62,19 @@ class OutsideLists:
         """
         for order in self.lists:
             order.pop(block_id, None)
-        if not self._leaf_only:
-            return
-        self._num_children.pop(block_id, None)
-        parent = self._parent_of.pop(block_id, None)
+        parent = self._parent_of.pop(block_id, None)  # (the tree is empty behind a flat owner)
+        num_children = self._num_children
+        if block_id in num_children:  # an inner block (a purge): its children go too
+            del num_children[block_id]
         if parent is None:
             return
-        left = self._num_children.get(parent)
+        left = num_children.get(parent)
         if left is None:
             return
         if left > 1:
-            self._num_children[parent] = left - 1
+            num_children[parent] = left - 1
             return
-        del self._num_children[parent]
+        del num_children[parent]
         for k, order in enumerate(self.lists):
             number = order.get(parent)
             if number is not None:
@@ -87,30 +87,31 @@ class OutsideLists:
             return
         self._next_number += 1
         order[block_id] = self._next_number
-        if block_id not in self._num_children:
-            pending = self._pending[k]
-            pending.append((self._next_number, block_id))
-            if len(pending) > 2 * len(order) + 64:
-                self._compact(k)
+        if k == self._searched and block_id not in self._num_children:
+            self._push(k, self._next_number, block_id)
 
     def pop_first_evictable(self, k: int, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         """Remove and return list ``k``'s first block that ``can_evict`` accepts (None: none does).
 
         Only the list is changed: the caller forgets the victim (``forget``) with the rest of its state.
         """
-        heap, order, num_children = self._heaps[k], self.lists[k], self._num_children
-        for entry in self._pending[k]:
-            heapq.heappush(heap, entry)
-        self._pending[k].clear()
+        if k != self._searched:
+            if self._searched is not None:
+                self._heaps[self._searched].clear()  # not kept up to date from now on
+            self._compact(k)
+            self._searched = k
+        heap = self._heaps[k]
+        if not heap:
+            return None
+        order, num_children = self.lists[k], self._num_children
         refused: list[tuple[int, BlockId]] = []
-        asked: set[tuple[int, BlockId]] = set()
-        victim = None
+        victim = last = None
         while heap:
             entry = heapq.heappop(heap)
             number, block_id = entry
-            if order.get(block_id) != number or block_id in num_children or entry in asked:
-                continue  # stale: left the list (or came back later), gained a child, or a duplicate
-            asked.add(entry)
+            if entry == last or order.get(block_id) != number or block_id in num_children:
+                continue  # a duplicate (they pop together), left the list (or came back), or inner
+            last = entry
             if not can_evict(block_id):
                 refused.append(entry)  # keeps its place, as in the list
                 continue
@@ -122,14 +123,15 @@ class OutsideLists:
         return victim
 
     def _push(self, k: int, number: int, block_id: BlockId) -> None:
+        if k != self._searched:
+            return  # rebuilt when it is searched
         heap = self._heaps[k]
         heapq.heappush(heap, (number, block_id))
         if len(heap) > 2 * len(self.lists[k]) + 64:
             self._compact(k)
 
     def _compact(self, k: int) -> None:
-        """Rebuild list ``k``'s heap from its live entries (the stale ones had piled up)."""
+        """Rebuild list ``k``'s heap from its live entries (stale ones had piled up, or it was not kept)."""
         live = [(n, b) for b, n in self.lists[k].items() if b not in self._num_children]
         heapq.heapify(live)
         self._heaps[k][:] = live
-        self._pending[k].clear()
