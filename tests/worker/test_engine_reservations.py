@@ -100,3 +100,20 @@ async def test_two_dedicated_tenants_leave_half_the_disk_to_the_others(make_engi
     for ns in ("t-a", "t-b"):  # and the dedicated tenants keep their (smaller) reservations
         assert disk._bytes_by_ns[ns] >= disk.reserved_bytes[ns] - disk.budget_bytes // 12
 
+
+async def test_redis_quotas_stay_within_half_the_redis_budget(make_engine, kv_redis_url):
+    per_block = make_engine(num_blocks=64).store.bytes_per_block
+    # Redis: a budget of 8 blocks' bytes; L1: 64 blocks, 32 reservable.
+    engine = make_engine(num_blocks=64, remote_url=kv_redis_url, remote_bytes=8 * per_block)
+    for i, ns in enumerate(("t-a", "t-b", "t-c")):
+        await run(
+            engine, f"{ns}-1", prompt_of(i + 1, 40), params=greedy(2), segs=seg(ns, ns.encode() * 8, 10)
+        )
+    assert engine.stats()["reserved_blocks"] == {"t-a": 10, "t-b": 10, "t-c": 10}
+    remote = engine.store.remote
+    # Before: three partitions of ~10 blocks each on top of the 8-block shared budget (4.2x the budget).
+    half = remote.budget_bytes // 2
+    assert set(remote._quotas) == {"t-a", "t-b", "t-c"} and sum(remote._quotas.values()) == half
+    assert all(half // 3 <= quota <= half // 3 + 1 for quota in remote._quotas.values())
+    assert remote._accounting("global")[1] == remote.budget_bytes - half  # the shared LRU's limit shrank
+    assert remote._accounting("t-a")[1] == half // 3
