@@ -3,6 +3,7 @@
     python -m bench.routing_losses --quick --seeds 0 1 --policies round_robin least_loaded kv_aware
     python -m bench.routing_losses --simulate --seeds 0 1 2 3   # the LRU capacity bound, no servers
     python -m bench.routing_losses --opening --seeds $(seq 0 19)  # the opening burst's placement, no servers
+    python -m bench.routing_losses --quick --seeds 0 1 --policies least_loaded kv_aware kv_aware@event
 
 Runs ``bench.routing``'s ``multi_tenant`` workload on 3 real workers, policy after policy, and for the
 KV-aware policy records every routing decision (what the KV-event index said each worker holds, the
@@ -21,6 +22,9 @@ blocks it missed against that are charged to one cause:
 - ``overlap``: the same, but the last request of its prefix had not had its first token yet when this
   one was sent (both prefilled it: concurrency, not capacity);
 - ``cold_elsewhere``: no worker held any of it, and the request went to another worker than the last.
+
+``kv_aware@event`` is KV-aware with followers woken by the KV event of their leader's head block only,
+as before 2026-12-01 (now the gateway also wakes them at the leader's first token).
 
 ``--simulate`` replays the same requests through three leaf-first LRU caches of ``--num-blocks``
 (minus the one the scheduler keeps free), one request at a time, with the rendezvous hash and with the
@@ -86,14 +90,21 @@ def instrument() -> None:
             }
             return url, hold_s
 
-    routing.ROUTERS = {**routing.ROUTERS, "kv_aware": Recording}  # type: ignore[misc]
+    def event_wake() -> routing.KVAwareRouter:  # followers woken by the KV event only (before 2026-12-01)
+        return Recording(release_at_first_token=False)
+
+    routing.ROUTERS = {**routing.ROUTERS, "kv_aware": Recording, "kv_aware@event": event_wake}  # type: ignore
     import gateway.app as app_module
 
     app_module.ROUTERS = routing.ROUTERS
 
 
+# A variant to compare against: KV-aware whose followers wait for the KV event, not the leader's first token
+VARIANTS = {"kv_aware@event": {"router": "kv_aware@event", "kv_index": True}}
+
+
 async def run(name: str, urls: list[str], requests, args, tmp: Path, progress, tag: str) -> dict:
-    settings = POLICIES[name]
+    settings = POLICIES.get(name) or VARIANTS[name]
     runner, base = await start_gateway(urls, tmp, settings)
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
         tenants = []
@@ -213,6 +224,7 @@ def summarize(requests, served, decisions: dict, warmup: int = 16) -> dict:
         "slowest_2": tail_requests,
         "ttft_p99_after_opening_ms": round(percentile(after_warmup, 99), 1),
         "lost_hit_ratio": round(sum(lost.values()) * BLOCK / total_tokens, 4),
+        "ttfts_ms": [round(by_order[order][1], 1) for order in sorted(by_order)],  # to pool passes
     }
 
 

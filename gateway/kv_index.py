@@ -176,16 +176,17 @@ class PrefixIndex:
             if not waiters:
                 self._waiters.pop((url, block_hash), None)
 
-    def release(self, url: str, block_hash: bytes, leader_id: str = "") -> None:
-        """Stop the waits of leader ``leader_id``'s followers for ``block_hash`` on ``url`` (False): that
-        request was to compute it there and will not (refused, failed or cancelled), so its followers
-        compute it themselves. Followers of another leader placed on the same block there (another
-        ``prompt_cache_key``, another tenant's placement) keep waiting for theirs. ``leader_id`` "":
-        every wait for the block there."""
+    def release(self, url: str, block_hash: bytes, leader_id: str = "", *, stored: bool = False) -> None:
+        """Stop the waits of leader ``leader_id``'s followers for ``block_hash`` on ``url``. With ``stored``
+        False that request was to compute it there and will not (refused, failed or cancelled), so its
+        followers compute it themselves; with True it has (its first token came: ``RequestPipeline.
+        prefilled``) and the KV event saying so is still on its way. Followers of another leader placed
+        on the same block there (another ``prompt_cache_key``, another tenant's placement) keep waiting
+        for theirs. ``leader_id`` "": every wait for the block there."""
         waiters = self._waiters.get((url, block_hash), [])
         for leader, future in list(waiters):
             if (not leader_id or leader == leader_id) and not future.done():
-                future.set_result(False)
+                future.set_result(stored)
 
     def _wake(self, url: str, block_hash: bytes, stored: bool) -> None:
         for _, future in self._waiters.pop((url, block_hash), []):

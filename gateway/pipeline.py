@@ -415,6 +415,19 @@ class RequestPipeline:
             # Only this leader's followers: another leader may be computing the same block there.
             self._prefix_index.release(url, route_request.head_block, route_request.request_id)
 
+    def prefilled(self, prepared: PreparedRequest) -> None:
+        """The request's first token came from its worker, so its prompt's blocks are cached there: if it
+        leads a cold placement, its followers go now rather than when the KV event says so
+        (``KVAwareRouter.leader_prefilled``; the event lags by the worker's long-poll and the index)."""
+        leader_prefilled = getattr(self._router, "leader_prefilled", None)
+        route_request = prepared.route_request
+        if leader_prefilled is None or route_request is None or route_request.head_block is None:
+            return
+        if leader_prefilled(route_request, prepared.worker_url) and self._prefix_index is not None:
+            self._prefix_index.release(
+                prepared.worker_url, route_request.head_block, route_request.request_id, stored=True
+            )
+
     async def prepare(
         self,
         tenant: TenantPolicy,
@@ -518,7 +531,9 @@ class RequestPipeline:
             state.pending_prefill_tokens += prepared.prefill_tokens  # until the answer: no first token here
             try:
                 call = state.client.generate(prepared.worker_payload())
-                return await self._pool.until_lost(state, call, prepared.request_id)
+                answer = await self._pool.until_lost(state, call, prepared.request_id)
+                self.prefilled(prepared)
+                return answer
             except (WorkerNotStarted, WorkerDisconnected) as exc:
                 prepared = await self._retry(prepared, exc, tried)
             except asyncio.CancelledError:
@@ -549,6 +564,8 @@ class RequestPipeline:
                         continue
                     state.pending_prefill_tokens -= prefilling
                     prefilling = 0
+                    if event is not None and event.get("type") != "error":
+                        self.prefilled(prepared)
                     while event is not None:
                         kind = event.get("type")
                         if kind == "error":

@@ -131,6 +131,9 @@ class KVAwareRouter:
     fallback: RendezvousRouter = RendezvousRouter()
     remembered_placements: int = 4096
     leader_hold_s: float = 2.0  # the longest a follower waits for its leader's prefill (see choose_and_hold)
+    # leader_prefilled: a leader's first token ends its followers' hold (False: only the KV event does, as
+    # before 2026-12-01; bench.routing_losses and bench.routing_opening compare the two)
+    release_at_first_token: bool = True
     clock: Callable[[], float] = time.monotonic
     # key -> (url, placed at, head block, request id): a follower holds only for the same head (a
     # prompt_cache_key groups different prompts under one key; one of them waited the full hold for a head
@@ -207,6 +210,21 @@ class KVAwareRouter:
         a follower waits for that leader's prefill, and only its drop releases the follower."""
         placed = self._placed.get(request.affinity_key) if request.affinity_key is not None else None
         return "" if placed is None else placed[3]
+
+    def leader_prefilled(self, request: RouteRequest, url: str) -> bool:
+        """``request`` had its first token from ``url``: if it is the leader of the placement remembered
+        for its key there, its prefix is cached on that worker now, so its followers need not wait any
+        longer (True: release those waiting), and later ones do not wait at all. The KV event saying so
+        comes later (the worker's long-poll, then the gateway's index: a few ms on one gateway here,
+        more when the event stream lags), and a follower woken by it waited that much longer."""
+        if not self.release_at_first_token:
+            return False
+        key = request.affinity_key
+        placed = self._placed.get(key) if key is not None and request.request_id else None
+        if placed is None or placed[3] != request.request_id or placed[0] != url:
+            return False
+        self._placed[key] = (placed[0], float("-inf"), placed[2], placed[3])  # no follower holds any more
+        return True
 
     def drop_placement(self, request: RouteRequest) -> str | None:
         """Forget the cold placement ``request`` made, if it is still the one remembered (its request id):

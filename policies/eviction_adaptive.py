@@ -11,6 +11,10 @@ to follow from the accesses it sees:
   victim and tells the others with ``on_evicted``, so each follower keeps its ghost lists. Behind an
   owner that evicts leaves only (``declare_leaf_only``) the LRU and ARC followers are
   ``eviction_leaves``' versions: the same victims, without asking about inner blocks.
+- **The leader's shadow first.** Before asking the leader's follower, ``evict`` takes the real resident
+  blocks the leader's shadow has already evicted, in the order it evicted them: after a switch the real
+  cache drops what the new leader would not hold, instead of what its follower (which only watched the
+  old leader's choices) ranks last. With one leader all along there is no such block.
 - **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
   they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
   every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead
@@ -31,7 +35,7 @@ most ``max_shadow_blocks`` ids each whatever the capacity.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
@@ -46,6 +50,7 @@ _LEAF_ONLY_EXPERTS: tuple[type[EvictionPolicy], ...] = (PrefixAwarePolicy, LeafA
 _SAMPLE_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential ids over the samples
 _MASK_64 = (1 << 64) - 1
 _RESCALE_AT = 1e100  # renormalize the decayed counts before their weight overflows
+_ALL_SHADOWS = (0, 1, 2)  # indices of the shadows, in the order of _EXPERTS
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -79,6 +84,9 @@ class AdaptivePolicy(EvictionPolicy):
         # and, last, the real cache. Counts are kept in units of 1 / _weight so decay costs nothing.
         self._wins = [[0.0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
         self._weight = 1.0
+        # _outside[i]: real resident blocks shadow i does not hold, in the order it dropped them (the
+        # real cache evicts the leader's first); unused with sampled shadows, which see no whole cache.
+        self._outside: list[dict[BlockId, None]] = [{} for _ in _EXPERTS]
 
     @property
     def leader_name(self) -> str:
@@ -125,7 +133,8 @@ class AdaptivePolicy(EvictionPolicy):
         # walk depends only on where the shadow's previous access left it, so it is shared.
         known_set, walk, walk_start = set(known), None, None
         columns: list[list[bool]] = []
-        for shadow in self._shadows:
+        missing = []  # shadows that did not hold the whole prompt (the others evicted nothing)
+        for index, shadow in enumerate(self._shadows):
             start = (shadow.last_position, shadow.last_usable)
             if (walk is None or start == walk_start) and shadow.holds_all(known_set):
                 if walk is None:
@@ -134,6 +143,9 @@ class AdaptivePolicy(EvictionPolicy):
                 columns.append(walk.usable)
             else:
                 columns.append(shadow.access_many(known, metas, now))
+                missing.append(index)
+        if missing:
+            self._track_outside(known, missing)
         if walk is not None and all(column is walk.usable for column in columns) and all(walk.usable):
             self._tally_all_hit(len(known))
             return
@@ -168,11 +180,17 @@ class AdaptivePolicy(EvictionPolicy):
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         followers = self._followers
+        victim = next((block for block in self._outside[self.leader] if can_evict(block)), None)
+        if victim is not None:  # the leader's shadow already dropped it
+            self._forget(victim)
+            for follower in followers:
+                follower.on_evicted(victim)
+            return victim
         order = (self.leader, *(i for i in range(len(followers)) if i != self.leader))
         for index in order:  # the others only when the leader has no evictable block
             victim = followers[index].evict(can_evict)
             if victim is not None:
-                self._meta.pop(victim, None)
+                self._forget(victim)
                 for other in order:
                     if other != index:
                         followers[other].on_evicted(victim)
@@ -189,6 +207,8 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
+        for outside in self._outside:
+            outside.pop(block_id, None)
 
     def _skips(self, block_id: BlockId) -> bool:
         """Whether sampled shadows leave this id out (they see one id in ``sample_rate``)."""
@@ -199,12 +219,36 @@ class AdaptivePolicy(EvictionPolicy):
         if self.sample_rate > 1 and self._skips(block_id):
             return
         prefix, arc, lru = self._shadows
-        self._tally(
+        hits = (
             prefix.access(block_id, meta, now),
             arc.access(block_id, meta, now),
             lru.access(block_id, meta, now),
-            hit,
         )
+        self._track_outside((block_id,), _ALL_SHADOWS)
+        self._tally(*hits, hit)
+
+    def _track_outside(self, block_ids: Sequence[BlockId], shadows: Iterable[int]) -> None:
+        """After ``shadows`` (indices) replayed ``block_ids``: which real resident blocks each one lacks."""
+        resident, sampled = self._meta, self.sample_rate > 1
+        for index in shadows:
+            shadow = self._shadows[index]
+            victims = shadow.victims
+            if sampled:  # a sampled shadow's contents are not the real cache's
+                victims.clear()
+                continue
+            outside = self._outside[index]
+            if victims:
+                for victim in victims:
+                    if victim in resident:
+                        outside[victim] = None
+                victims.clear()
+            held = shadow.parent_of
+            for block_id in block_ids:
+                if block_id in outside:
+                    if block_id in held:
+                        del outside[block_id]
+                elif block_id not in held:  # the shadow had no room it could free
+                    outside[block_id] = None
 
     def _tally(self, prefix_hit: bool, arc_hit: bool, lru_hit: bool, hit: bool) -> None:
         """Count one access's hits in the arms (the three shadows, then the real cache); maybe switch."""

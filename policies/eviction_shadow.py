@@ -71,6 +71,7 @@ class Shadow:
         "parent_of",
         "pinned",
         "sampled",
+        "victims",
     )
 
     def __init__(self, capacity_blocks: int, *, sampled: bool) -> None:
@@ -81,6 +82,7 @@ class Shadow:
         self.sampled = sampled  # sees one id in ``sample_rate``: no chains to follow, every hit counts
         self.last_position = -1  # position of the previous access (a drop starts a new prompt)
         self.last_usable: BlockId | None = None  # the previous access, if it was a usable hit
+        self.victims: list[BlockId] = []  # what it evicted since the owner last cleared this list
 
     def access(self, block_id: BlockId, meta: BlockMeta, now: float) -> bool:
         """Replay one access of the real cache's stream; True if it was a prefix-usable hit."""
@@ -99,6 +101,7 @@ class Shadow:
             victim = self._evict()
             if victim is None:
                 return False
+            self.victims.append(victim)
             victim_parent = self.parent_of.pop(victim)
             if victim_parent is not None:
                 left = self.num_children[victim_parent] - 1
@@ -250,6 +253,7 @@ class _LeafHeaps(Shadow):
             victim = self._evict()
             if victim is None:
                 return False
+            self.victims.append(victim)
             victim_parent = parent_of.pop(victim)
             if victim_parent is not None:
                 left = num_children[victim_parent] - 1

@@ -28,6 +28,7 @@ from worker.engine_tiers import (
     finish_prefetch,
     make_store,
     purge_remote,
+    purge_stored,
     resume_prefetches,
     start_prefetch,
 )
@@ -301,6 +302,8 @@ class Engine:
                 erased = await done
             except CommandFailed as exc:
                 erased, failed["local"] = {}, str(exc)
+            else:  # L3 and Redis off the engine thread: they wait for the writer, other tenants do not
+                await purge_stored(self.store, namespace_id, erased, failed)
             await purge_remote(self.store, namespace_id, erased, failed)
         finally:  # the fence holds until Redis is erased too: a prefetch reading it meanwhile is dropped
             self._post("purge_done", (namespace_id,))

@@ -2,8 +2,8 @@
 arrives (prefetch), fed back on the engine thread when a prefetch lands, purged and flushed.
 
 Split out of ``worker.engine`` (no behaviour change): the engine owns the loop and the requests; how it
-uses L2, L3 and Redis lives here. Every function but ``purge_remote`` runs on the engine thread (or
-before it starts, or after it stopped).
+uses L2, L3 and Redis lives here. Every function but ``purge_stored`` and ``purge_remote`` runs on the
+engine thread (or before it starts, or after it stopped).
 """
 
 from __future__ import annotations
@@ -139,6 +139,19 @@ def finish_prefetch(
     # The whole plan arrived and the budget cut the chain after it: the rest is planned again with room.
     whole = result.resume_at is not None and result.start + len(result.records) == result.resume_at
     seq.prefetch_resume_at = result.resume_at if whole and (continues or held) else None
+
+
+async def purge_stored(
+    store: TieredStore | None, namespace_id: str, erased: dict[str, int], failed: dict[str, str]
+) -> None:
+    """Erase a namespace from L3 off the engine thread (it waits for the chunk the writer is storing)."""
+    if store is None:
+        return
+    try:
+        erased |= await asyncio.to_thread(store.purge_stored, namespace_id)
+    except Exception as exc:  # a disk error fails the purge (the caller is told to retry), not the worker
+        log.exception("purging namespace %s from L3 failed", namespace_id)
+        failed["l3"] = f"{type(exc).__name__}: {exc}"
 
 
 async def purge_remote(

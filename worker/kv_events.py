@@ -14,6 +14,14 @@ instead: the blocks the worker holds now, per tier and namespaced, as ``BlockSto
 frozen at one sequence number. It drops what it knew of the worker, applies the pages, and then
 continues with the events after that number (a state transfer; docs/routing.md has the protocol).
 
+The state of a tier that loses blocks silently is bounded (``KVEventLog.bound``): Redis expires a block
+by TTL and another worker's write may evict it without this worker hearing of it, so the ``remote`` state
+keeps a block only until its TTL has passed since this worker last announced it, and a snapshot sends no
+more blocks than the Redis budget holds (the least recently announced go first; between snapshots the
+state may hold twice that: one write announces its blocks before the evictions it caused). The gateway
+bounds its own record of a Redis tier the same way (``gateway.kv_index``); no event is sent for what the
+bound drops.
+
 Written by the engine thread, read by the HTTP handlers: a lock guards the ring and the state.
 """
 
@@ -23,7 +31,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +59,12 @@ class KVEvent:
             body["parent_block_hash"] = None if self.parent_hash is None else self.parent_hash.hex()
             body["namespace_id"] = self.namespace_id
         return body
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateBound:
+    ttl_s: float  # a block not announced again for this long has left the tier
+    max_blocks: int  # the tier holds no more: the least recently announced beyond it have left
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +100,8 @@ class _Snapshot:
 # SNAPSHOT_ACTIVE_S is never evicted for a new one: at the cap with every snapshot in use, a consumer
 # needing one shares the newest (older than the log, so it may need another after it; never a refusal).
 SNAPSHOT_TTL_S = 120.0
+# A bounded tier's state holds up to this many times its size between snapshots (``KVEventLog.bound``).
+STATE_SLACK = 2
 SNAPSHOT_ACTIVE_S = 15.0
 MAX_SNAPSHOTS = 4
 
@@ -95,13 +111,43 @@ class KVEventLog:
     events add up to (every block held, per tier), from which a consumer that fell behind the ring is
     sent a snapshot."""
 
-    def __init__(self, capacity_events: int = 1 << 17) -> None:
+    def __init__(
+        self, capacity_events: int = 1 << 17, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._events: deque[KVEvent] = deque(maxlen=capacity_events)
         self._last_seq = 0
         self._lock = threading.Lock()
         # medium -> block hash -> (parent hash, namespace id): what the events so far add up to
         self._state: dict[str, dict[BlockHash, tuple[BlockHash | None, str]]] = {}
         self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
+        self._clock = clock
+        self._bounds: dict[str, StateBound] = {}  # medium -> how long and how much of its state is kept
+        # bounded medium -> block hash -> when it was last announced stored, least recent first
+        self._announced_s: dict[str, OrderedDict[BlockHash, float]] = {}
+
+    def bound(self, medium: str, *, ttl_s: float, max_blocks: int) -> None:
+        """Keep ``medium``'s blocks in the state (what snapshots send) only ``ttl_s`` after their last
+        ``stored`` event, and at most ``max_blocks`` of them: for a tier that drops blocks unannounced."""
+        with self._lock:
+            self._bounds[medium] = StateBound(ttl_s=ttl_s, max_blocks=max(0, max_blocks))
+            announced = self._announced_s.setdefault(medium, OrderedDict())
+            now = self._clock()
+            for block_hash in self._state.get(medium, {}):  # held before the bound: announced now
+                announced.setdefault(block_hash, now)
+            self._trim(medium, slack=STATE_SLACK)
+
+    def _trim(self, medium: str, *, slack: int = 1) -> None:
+        """Drop what a bounded medium's state holds past its TTL or beyond ``slack`` times its size, the
+        least recently announced first (under the lock)."""
+        bound, announced = self._bounds[medium], self._announced_s[medium]
+        blocks = self._state.get(medium, {})
+        expired_before, max_blocks = self._clock() - bound.ttl_s, slack * bound.max_blocks
+        while announced:
+            block_hash, announced_s = next(iter(announced.items()))
+            if len(announced) <= max_blocks and announced_s > expired_before:
+                return
+            del announced[block_hash]
+            blocks.pop(block_hash, None)
 
     @property
     def last_seq(self) -> int:
@@ -112,12 +158,22 @@ class KVEventLog:
             self._last_seq += 1
             self._events.append(KVEvent(seq=self._last_seq, kind=kind, medium=medium, **fields))
             blocks = self._state.setdefault(medium, {})
+            announced = self._announced_s.get(medium)
             if kind == BLOCK_STORED:
                 blocks[fields["block_hash"]] = (fields["parent_hash"], fields["namespace_id"])
+                if announced is not None:
+                    announced[fields["block_hash"]] = self._clock()
+                    announced.move_to_end(fields["block_hash"])
             elif kind == BLOCK_REMOVED:
                 blocks.pop(fields["block_hash"], None)
+                if announced is not None:
+                    announced.pop(fields["block_hash"], None)
             else:
                 blocks.clear()
+                if announced is not None:
+                    announced.clear()
+            if announced is not None:
+                self._trim(medium, slack=STATE_SLACK)
 
     def stored(
         self, medium: str, block_hash: BlockHash, parent_hash: BlockHash | None, namespace_id: str
@@ -168,6 +224,8 @@ class KVEventLog:
             shared = self._share(min_seq=self._last_seq)
             if shared is not None:
                 return shared
+            for medium in self._bounds:  # TTLs pass between events too; a snapshot sends no more than fits
+                self._trim(medium)
             seq, frozen = self._last_seq, {medium: dict(blocks) for medium, blocks in self._state.items()}
         blocks = [
             (medium, block_hash, parent, namespace_id)
@@ -272,6 +330,11 @@ class TierEvents:
     def removed(self, block_hashes: Iterable[BlockHash]) -> None:
         for block_hash in block_hashes:
             self._log.removed(self.medium, block_hash)
+
+    def bound(self, *, ttl_s: float, max_blocks: int) -> None:
+        """The tier drops blocks unannounced after ``ttl_s`` or beyond ``max_blocks``
+        (``KVEventLog.bound``)."""
+        self._log.bound(self.medium, ttl_s=ttl_s, max_blocks=max_blocks)
 
 
 def engine_capacity(engine: Any) -> dict[str, int]:

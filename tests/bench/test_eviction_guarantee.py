@@ -40,16 +40,16 @@ MAX_WORKERS = 4
 COMPACT_SHORTFALLS = {  # (trace, fraction): compact-prefix cells below max(LRU, ARC) - 0.005
     ("mooncake-synthetic", 0.2),
     ("mixed-default", 0.1),
-    ("rag-docs", 0.1),
     ("chat-long", 0.05),
     ("agent-tools", 0.2),
-    ("chat-slow", 0.2),
-    ("chat-busy", 0.1),
     ("agent-long", 0.2),
     ("mixed-skewed", 0.2),
     # Held out (fresh): found by the one run after the default was fixed, not used to tune it.
     ("chat-wide", 0.1),
     ("agent-bursty", 0.2),
+    # Held out, found by evict7's one run (the real cache evicts first what the leader's shadow dropped):
+    # 0.1946 against ARC's 0.1998 on the prefix (was 0.2006); at full size it holds (-0.0009, was -0.0020).
+    ("agent-bursty", 0.05),
 }
 SYNTHETIC = "mooncake-synthetic"
 

@@ -308,3 +308,47 @@ def test_kv_aware_places_a_cold_prefix_on_the_less_busy_of_its_two_workers():
     # prompts waiting for their prefill do.
     assert placed({}, {second: 500.0}, in_flight={first: 2}) == first
     assert placed({first: 2 * 300}, {second: 500.0}, in_flight={first: 2}) == second
+
+
+def test_a_leader_s_first_token_ends_its_followers_hold():
+    """The gateway sees its leader's first token before the KV event announcing the head block: the
+    followers waiting go then (``RequestPipeline.prefilled``), and later ones do not wait."""
+    now = [100.0]
+    router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
+    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
+
+    def request(request_id: str) -> RouteRequest:
+        return RouteRequest(
+            affinity_key=b"k" * 16,
+            candidates=calm,
+            num_prompt_tokens=160,
+            head_block=b"h" * 32,
+            request_id=request_id,
+        )
+
+    leader, _ = router.choose_and_hold(request("leader"))
+    now[0] += 0.5
+    assert router.choose_and_hold(request("follower")) == (leader, 1.5)
+    other = next(url for url in URLS if url != leader)
+    assert router.leader_prefilled(request("follower"), leader) is False  # only the leader's token counts
+    assert router.leader_prefilled(request("leader"), other) is False  # retried elsewhere: not there
+    assert router.choose_and_hold(request("follower-2")) == (leader, 1.5)
+    assert router.leader_prefilled(request("leader"), leader) is True  # release the waiting ones
+    assert router.choose_and_hold(request("follower-3")) == (leader, 0.0)  # same worker, no wait
+    assert router.leader_prefilled(request("leader"), leader) is True  # (a retry: harmless)
+    assert router.drop_placement(request("leader")) == leader  # failed later: still its own to drop
+
+
+async def test_a_leader_s_first_token_wakes_only_its_own_followers_as_stored():
+    import asyncio
+
+    index = PrefixIndex()
+    block = b"h" * 32
+    mine = asyncio.ensure_future(index.wait_stored(URLS[0], block, 30.0, "leader-a"))
+    theirs = asyncio.ensure_future(index.wait_stored(URLS[0], block, 30.0, "leader-b"))
+    await asyncio.sleep(0)
+    index.release(URLS[0], block, "leader-a", stored=True)
+    assert await asyncio.wait_for(mine, 5) is True  # computed there: the follower finds it cached
+    await asyncio.sleep(0)
+    assert not theirs.done()  # another leader's followers wait for theirs
+    theirs.cancel()

@@ -1,5 +1,7 @@
 """The adaptive default: experts on shadow caches, the leader's order on the real one, ghosts kept."""
 
+import random
+
 from bench.isolation import partitions
 from bench.replay import replay
 from bench.trace import TraceRequest
@@ -96,3 +98,55 @@ def test_no_switch_to_an_expert_the_real_cache_already_matches():
 def test_no_switch_on_a_lead_within_noise():
     # 25 against 10 discordant accesses: 15 < 3 standard deviations (3 × √35 ≈ 17.7).
     assert _with_discordant_counts(25.0, 25.0)._next_leader() == 1
+
+
+class _SwitchRecorder(AdaptivePolicy):
+    """Records, per eviction, whether the victim is still held by the leader's shadow, and whether a
+    real resident block its shadow had dropped could have gone instead."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__(capacity_blocks)
+        self.evictions: list[tuple[bool, bool]] = []
+
+    def evict(self, can_evict):
+        shadow = self._shadows[self.leader].parent_of
+        dropped_evictable = any(b not in shadow and can_evict(b) for b in self._meta)
+        victim = super().evict(can_evict)
+        self.evictions.append((victim in shadow, dropped_evictable))
+        return victim
+
+
+def _sessions(num_requests: int, seed: int) -> list[TraceRequest]:
+    """Requests that extend one of 40 growing sessions or bring a one-off chain."""
+    rng = random.Random(seed)
+    heads = {s: list(range(s * 10_000, s * 10_000 + rng.randint(2, 6))) for s in range(40)}
+    requests = []
+    for i in range(num_requests):
+        if rng.random() < 0.3:
+            chain = list(range(1_000_000 + 8 * i, 1_000_000 + 8 * i + rng.randint(2, 8)))
+        else:
+            chain = heads[rng.randrange(40)]
+            chain.extend(range(chain[-1] + 1, chain[-1] + 1 + rng.randint(1, 3)))
+            chain = chain[:]
+        requests.append(TraceRequest(timestamp_ms=i, hash_ids=tuple(chain)))
+    return requests
+
+
+def test_after_a_switch_the_real_cache_first_drops_what_the_new_leaders_shadow_dropped():
+    # LRU leads while the real cache fills, then ARC takes over: its follower only watched LRU's choices,
+    # so its own order would evict blocks ARC's shadow still holds while the real cache keeps blocks ARC
+    # had already let go. The real cache must drop those first (and only then ask the follower).
+    (part,) = partitions(_sessions(1200, seed=5), "shared", 60)
+    policy = _SwitchRecorder(60)
+    policy.switch_z = float("inf")  # the test makes the one switch itself
+    policy.leader = 2
+    done = []
+
+    def switch_halfway() -> None:
+        done.append(1)
+        if len(done) == 600:
+            policy.leader, policy.evictions = 1, []
+
+    replay(part.requests, policy, 60, on_request=switch_halfway)
+    assert sum(dropped for _, dropped in policy.evictions) > 20  # the case occurs, often
+    assert not [e for e in policy.evictions if e == (True, True)]

@@ -4,7 +4,10 @@ Each case replays a stream through ``AdaptivePolicy`` and hashes every decision 
 ``evict`` returns (or None) with the leader that chose it, and the hit counts of the replay. The digests
 were recorded with the policy as of main at 08e0eb6 (before the cost work), and so were those of the
 prefix-aware expert alone, whose ranking and hits changed with it; any change of a decision,
-however small, changes a digest. A change that is meant to alter decisions re-records them with
+however small, changes a digest. The six unsampled ``_Recorded`` cases were re-recorded by evict7,
+whose change is meant to alter decisions (the real cache evicts first what the leader's shadow
+dropped): on evict7 before and after its merges with the cost work, the same six digests. A change
+that is meant to alter decisions re-records them with
 ``python -m tests.policies.test_eviction_adaptive_equivalence`` and says why in its commit.
 """
 
@@ -77,12 +80,12 @@ def _digest(name: str, fraction: float, mode: str, policy_type: type) -> tuple[s
 
 
 CASES = [  # stream, fraction of unique blocks, replay mode, policy, digest, leaders seen
-    ("mooncake", 0.01, "prefix", _Recorded, "af7634081980b31c", 3),
-    ("mooncake", 0.05, "prefix", _Recorded, "7f781822245b2092", 2),
-    ("agents", 0.05, "prefix", _Recorded, "86b95ccb090a118a", 2),
-    ("agents", 0.20, "prefix", _Recorded, "6df175f373b5ec10", 3),
-    ("mooncake", 0.05, "worker", _Recorded, "5ac54612f30684e8", 2),
-    ("agents", 0.10, "worker", _Recorded, "2fc28a561985a8a8", 2),
+    ("mooncake", 0.01, "prefix", _Recorded, "a4030b79990b77db", 3),
+    ("mooncake", 0.05, "prefix", _Recorded, "d2ff27966e08953b", 2),
+    ("agents", 0.05, "prefix", _Recorded, "c059879634baf25f", 2),
+    ("agents", 0.20, "prefix", _Recorded, "247501bed7c78291", 3),
+    ("mooncake", 0.05, "worker", _Recorded, "f5f75ba2136c21ac", 2),
+    ("agents", 0.10, "worker", _Recorded, "827b422a7d556c9e", 2),
     ("agents", 0.02, "prefix", _RecordedSampled, "0cf519bf6db8efa8", 2),
     ("agents", 0.05, "prefix", _RecordedSampled, "d7b5bf69e7e550f9", 2),
     ("mooncake", 0.05, "prefix", _RecordedPrefix, "f34a245d8f61eac1", 1),

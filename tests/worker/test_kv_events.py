@@ -146,3 +146,33 @@ def test_a_consumer_behind_the_ring_gets_a_paged_snapshot_frozen_at_one_sequence
     assert again.reset and again.snapshot is not None and again.snapshot.seq == 11
     assert blocks_of(again.snapshot.events) == [("L3", h(i).hex(), "t-a") for i in (1, 3, 4, 5)]
     assert log.read(99).snapshot is not None  # a consumer ahead of the log (a restart) gets one too
+
+
+def test_a_bounded_tiers_state_keeps_blocks_for_their_ttl_and_no_more_than_the_tier_holds():
+    """r7 #4: the ``remote`` state only forgot blocks this worker saw leave; Redis expires blocks and other
+    workers' writes evict them unannounced, so every snapshot re-announced all blocks ever written."""
+    now = [0.0]
+    log = KVEventLog(capacity_events=2, clock=lambda: now[0])
+    log.bound("remote", ttl_s=10.0, max_blocks=3)
+
+    def state() -> list[tuple[str, str, str]]:
+        page = log.read(0, max_events=100).snapshot
+        assert page is not None  # the ring (2 events) is outrun: a snapshot is served
+        return blocks_of(page.events)
+
+    for i in range(3):  # announced at 0, 1 and 2 s
+        log.stored("remote", h(i), None, "t-a")
+        now[0] += 1.0
+    log.stored("L1", h(50), None, "t-b")  # an unbounded tier: kept whatever the time
+    now[0] = 11.5  # h(0) and h(1) were announced more than 10 s ago: Redis expired them
+    assert state() == [("remote", h(2).hex(), "t-a"), ("L1", h(50).hex(), "t-b")]
+    for i in (3, 4, 2, 5):  # h(2) announced again (a read refreshed its TTL): now more recent than h(3)
+        log.stored("remote", h(i), None, "t-a")
+    assert sorted(state()) == sorted(
+        [("remote", h(i).hex(), "t-a") for i in (4, 2, 5)] + [("L1", h(50).hex(), "t-b")]
+    )  # 4 announced, the tier holds 3: the least recently announced (h(3)) has left it
+    for i in range(10, 20):  # between snapshots the state holds at most twice the tier (a write's slack)
+        log.stored("remote", h(i), None, "t-a")
+    assert len(log._state["remote"]) == 6
+    now[0] = 30.0
+    assert state() == [("L1", h(50).hex(), "t-b")]

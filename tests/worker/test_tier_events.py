@@ -4,6 +4,8 @@ index to every worker sharing that Redis, never across namespaces."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -321,3 +323,64 @@ def test_a_read_racing_a_purge_neither_rebooks_nor_reannounces_the_purged_blocks
     keys = {reader.key("t-a", b.record.block_hash).encode() for b in blocks}
     assert keys.isdisjoint(reader.client.zrange(reader._lru, 0, -1))  # nor booked in the LRU
     assert not any(reader.client.exists(key) for key in keys)
+
+
+def _events_tier(url: str, *, budget_bytes: int, ttl_s: float) -> tuple[RemoteTier, KVEventLog]:
+    log = KVEventLog(capacity_events=16)  # a small ring: the state is read through a snapshot
+    remote = RemoteTier(
+        url,
+        fingerprint=b"remote-event-state" * 2,
+        codec="none",
+        block_shape=SHAPE,
+        dtype=torch.float32,
+        budget_bytes=budget_bytes,
+        ttl_s=ttl_s,
+        timeout_s=1.0,
+        events=TierEvents(log, "remote"),
+    )
+    return remote, log
+
+
+def _snapshot_of(log: KVEventLog) -> set[bytes]:
+    """The Redis blocks a gateway that fell behind the ring is sent (a snapshot's pages)."""
+    page = log.read(0, max_events=1 << 20).snapshot
+    assert page is not None
+    return {bytes.fromhex(x) for e in page.events if e["medium"] == "remote" for x in e["block_hashes"]}
+
+
+def _in_redis(remote: RemoteTier, namespace_id: str) -> set[bytes]:
+    keys = remote.client.scan_iter(match=f"{remote.prefix}:{namespace_id}:*")
+    return {bytes.fromhex(key.decode().rsplit(":", 1)[1]) for key in keys}
+
+
+def test_blocks_redis_expired_leave_the_workers_state(kv_redis_url):
+    """r7 #4: 100 blocks Redis had expired by TTL stayed in the worker's state, re-announced by every
+    snapshot (with a fresh TTL at the gateway), growing without bound in a long-running worker."""
+    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 24, ttl_s=2.0)
+    for seed in range(25):
+        remote.put(_blocks("t-a", seed, 4))
+    assert _snapshot_of(log) == _in_redis(remote, "t-a") and len(_in_redis(remote, "t-a")) == 100
+    deadline = time.monotonic() + 20
+    while _in_redis(remote, "t-a") and time.monotonic() < deadline:  # Redis expires them (silently)
+        time.sleep(0.2)
+    assert _in_redis(remote, "t-a") == set()
+    time.sleep(0.5)  # the worker's clock for a block starts when its write returned, after Redis's did
+    assert _snapshot_of(log) == set() and log._state["remote"] == {}
+
+
+def test_blocks_another_worker_evicted_leave_the_workers_state(kv_redis_url):
+    """r7 #4: blocks another worker's writes evicted from the shared Redis stayed in this worker's state
+    and snapshots (it only hears of the evictions its own writes cause)."""
+    entry_bytes = torch.Size(SHAPE).numel() * 4 + 2000
+    first, first_log = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
+    second, _ = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
+    early = _blocks("t-a", 1, 4)
+    first.put(early)
+    for seed in range(2, 12):  # the second worker's writes evict the first's blocks, unannounced to it
+        second.put(_blocks("t-b", seed, 4))
+    assert _in_redis(first, "t-a") == set()
+    for seed in range(20, 30):  # the first worker writes on (its own evictions it announces)
+        first.put(_blocks("t-a", seed, 4))
+    held = _snapshot_of(first_log)
+    assert held == _in_redis(first, "t-a") and held, "the snapshot must be what Redis holds of t-a"
+    assert held.isdisjoint(b.record.block_hash for b in early)

@@ -2,8 +2,11 @@
 running, must not bring blocks of the purged namespace back into any tier once the purge has answered."""
 
 import asyncio
+import itertools
+import time
 
 import pytest
+import redis
 
 import worker.engine as engine_mod
 from tests.worker.conftest import greedy, prompt_of, run
@@ -175,3 +178,54 @@ async def test_purges_racing_the_engine_stop_are_all_answered(make_engine, tmp_p
     for purge in purges:
         erased, failed = purge.result()
         assert failed == {} or "stopping" in failed["local"], (erased, failed)
+
+
+async def _stream_gaps(engine, request_id: str, on_token=None) -> list[float]:
+    """Seconds between the outputs of one long greedy stream of tenant t-b."""
+    stamps: list[float] = []
+    async for out in engine.generate(request_id, prompt_of(7, 20), greedy(120), B):
+        assert out.error is None, out.error
+        stamps.append(time.monotonic())
+        if on_token is not None:
+            on_token(len(stamps))
+    return [later - earlier for earlier, later in itertools.pairwise(stamps)]
+
+
+async def test_purging_one_tenant_does_not_stall_another_tenants_stream(make_engine, kv_redis_url, tmp_path):
+    """r7 #1: the purge drained the whole demotion write queue (every tenant's disk and Redis writes) on
+    the engine thread: with Redis behind a slow link and t-a's chunks queued, t-b's stream froze 7 s. The
+    purge now waits for the writer off the engine thread, and the writer drops t-a's queued blocks."""
+    port = int(kv_redis_url.split(":")[2].split("/")[0])
+    link = SlowLink(port, delay_s=0.15)  # a busy Redis host: every write succeeds, slowly
+    try:
+        engine = make_engine(
+            num_blocks=24,
+            l2_bytes=4 * BLOCK_BYTES,
+            remote_url=f"redis://127.0.0.1:{link.port}/{kv_redis_url.rsplit('/', 1)[1]}",
+            remote_timeout_ms=5000,  # no timeout (and no paused tier, no failed purge) on a loaded machine
+            l3_dir=tmp_path / "kv",
+            l3_min_free_bytes=0,
+        )
+        control = await _stream_gaps(engine, "b-control")  # t-b's stream with nothing else going on
+        for i in range(30):  # t-a's evicted blocks pass L2 and queue for L3 and Redis
+            await run(engine, f"a-{i}", prompt_of(100 + i, 80), segs=A, params=greedy(1))
+        queued = engine.store._writes.qsize()
+        purges: list[asyncio.Future] = []
+
+        def purge_at_fifth_token(num_outputs: int) -> None:
+            if num_outputs == 5:
+                purges.append(asyncio.ensure_future(engine.purge("t-a")))
+
+        gaps = await _stream_gaps(engine, "b-during", purge_at_fifth_token)
+        erased, failed = await purges[0]
+        await asyncio.to_thread(engine.store.wait_for_writes)
+    finally:
+        link.close()
+    assert queued >= 10, queued  # the stall this test guards against grows with the queue (7 s at 30)
+    assert max(gaps) < max(1.5, 5 * max(control)), (max(gaps), max(control), queued)
+    # The purge still erased everything: no queued write of t-a landed after it, in L3 or in Redis.
+    assert not failed and {"l1", "l2", "l3", "remote"} <= erased.keys(), (erased, failed)
+    assert _blocks_of(engine, "t-a") == (0, 0)
+    assert not [f for f in (tmp_path / "kv").rglob("*.kv") if "t-a" in f.parts], "t-a files on disk"
+    client = redis.Redis.from_url(kv_redis_url)
+    assert not list(client.scan_iter(match=f"{engine.store.remote.prefix}:t-a:*")), "t-a blocks in Redis"

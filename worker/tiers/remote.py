@@ -147,6 +147,16 @@ class RemoteTier:
         self._quota_lock = threading.Lock()
         self._down_until = 0.0
         self.counters: Counter[str] = Counter()
+        self._bound_events()
+
+    def _bound_events(self) -> None:
+        """Redis expires blocks and other workers' writes evict them unannounced: this worker's record of
+        the tier (its KV-event state) keeps a block no longer than its TTL, and no more blocks than the
+        budget and the dedicated partitions hold (a block's payload alone: an upper bound)."""
+        if self.events is not None:
+            per_block = self.codec.payload_bytes(self.block_shape, self.dtype)
+            max_blocks = (self.budget_bytes + sum(self._quotas.values())) // max(1, per_block)
+            self.events.bound(ttl_s=self.ttl_ms / 1000, max_blocks=max_blocks)
 
     def key(self, namespace_id: str, block_hash: BlockHash) -> str:
         return f"{self.prefix}:{namespace_id}:{block_hash.hex()}"
@@ -185,6 +195,8 @@ class RemoteTier:
         worker's view), and the shared LRU keeps the rest: quotas and shared limit together never exceed
         ``budget_bytes``. A partition whose quota shrinks or goes is trimmed before the next write.
         """
+        if self._requested.get(namespace_id, 0) == max(0, num_bytes):
+            return  # (every request of a dedicated tenant sets it again)
         if num_bytes > 0:
             self._requested[namespace_id] = num_bytes
         else:
@@ -192,6 +204,7 @@ class RemoteTier:
         with self._quota_lock:
             before, self._quotas = self._quotas, max_min_shares(self._requested, self.budget_bytes // 2)
             self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
+        self._bound_events()
 
     def _partition(self, namespace_id: str) -> list[str]:
         part = f"{self.prefix}:~quota:{namespace_id}"

@@ -2,6 +2,9 @@
 
 - Eviction from L1 demotes the block into L2 (a synchronous device→host copy: the slot is reused at once);
   eviction from L2 demotes chunks to a writer thread that stores them in L3 and the remote tier.
+- A purge never waits for the writer on the engine thread: each queued chunk carries the write generation
+  it was queued in, and the writer drops the blocks of a namespace purged since (``purge_local``); L3 and
+  Redis are erased off the engine thread once the write under way, if any, has ended (``purge_stored``).
 - When a request arrives, its prefix is looked up across tiers at once; blocks found only in L3 or Redis
   are prefetched into L2 by reader threads while the request waits for admission and other requests run;
   the request keeps its copy until admitted, within a byte budget of its own (``prefetch_bytes``).
@@ -206,8 +209,15 @@ class TieredStore:
         self.prefetch_skipped_blocks = 0  # cut from arrivals' prefetches by the budget (some read later)
         self.hits = dict.fromkeys(SOURCES, 0)
         self.gated = dict.fromkeys(SOURCES, 0)  # blocks found but recomputed because loading was slower
-        self._writes: queue.Queue[list[DemotedBlock] | None] = queue.Queue(maxsize=256)
+        self._writes: queue.Queue[tuple[int, list[DemotedBlock]] | None] = queue.Queue(maxsize=256)
         self.dropped_demotions = 0
+        self._write_generation = 0  # bumped by every purge (engine thread); queued chunks carry it
+        # namespace -> write generation of its latest purge: the writer drops its blocks queued before
+        self._purged_writes: dict[str, int] = {}
+        # Guards ``_purged_writes`` and the chunk counts (never held across I/O); notified per chunk written.
+        self._chunk_written = threading.Condition()
+        self._num_chunks_taken = 0  # chunks the writer has filtered (the one being written included)
+        self._num_chunks_written = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
         self._writer.start()
         self._prefetches: FairQueue[PrefetchPlan] = FairQueue()
@@ -264,25 +274,41 @@ class TieredStore:
         if self.disk is None and self.remote is None:
             return
         try:
-            self._writes.put_nowait(blocks)
+            self._writes.put_nowait((self._write_generation, blocks))
         except queue.Full:  # the disk is slower than eviction: it is a cache, drop rather than stall
             self.dropped_demotions += len(blocks)
 
     def _write_loop(self) -> None:
         while True:
-            blocks = self._writes.get()
-            if blocks is None:
+            item = self._writes.get()
+            if item is None:
                 self._writes.task_done()
                 return
             try:
-                if self.disk is not None:
+                blocks = self._unpurged(*item)
+                if blocks and self.disk is not None:
                     self.disk.write(blocks)
-                if self.remote is not None:
+                if blocks and self.remote is not None:
                     self.remote.put(blocks)
             except Exception:  # a failed write loses cache, never the worker
                 log.exception("demotion write failed")
             finally:
+                with self._chunk_written:  # a purge's erase may wait for this chunk (``purge_stored``)
+                    self._num_chunks_written += 1
+                    self._chunk_written.notify_all()
                 self._writes.task_done()
+
+    def _unpurged(self, generation: int, blocks: list[DemotedBlock]) -> list[DemotedBlock]:
+        """The blocks of a chunk queued at ``generation`` whose namespace was not purged since (writer).
+
+        Chunks are queued in generation order (engine thread), so once one of ``generation`` is taken no
+        chunk queued before a purge of that generation or older is left: those purges are forgotten."""
+        with self._chunk_written:
+            kept = [b for b in blocks if self._purged_writes.get(b.namespace_id, -1) <= generation]
+            for namespace_id in [ns for ns, g in self._purged_writes.items() if g <= generation]:
+                del self._purged_writes[namespace_id]
+            self._num_chunks_taken += 1
+        return kept
 
     # ---- prefetch (arrival) ------------------------------------------------------------------------
     def plan_prefetch(
@@ -476,12 +502,22 @@ class TieredStore:
         self._writes.join()
 
     def purge_local(self, namespace_id: str) -> dict[str, int]:
-        """Erase a namespace from L2 and L3 (engine thread); the remote tier is ``purge_remote``."""
-        self._writes.join()  # nothing of the namespace may land on disk or in Redis after the purge
-        erased = {"l2": self.l2.purge(namespace_id)}
-        if self.disk is not None:
-            erased["l3"] = self.disk.purge(namespace_id)
-        return erased
+        """Erase a namespace from L2 and drop its queued writes (engine thread, never waits on the writer);
+        L3 is ``purge_stored`` and Redis ``purge_remote``, off the engine thread, in that order."""
+        if self.disk is not None or self.remote is not None:  # else nothing is ever queued
+            self._write_generation += 1  # chunks queued from now on are not of the purge's past
+            with self._chunk_written:
+                self._purged_writes[namespace_id] = self._write_generation
+        return {"l2": self.l2.purge(namespace_id)}
+
+    def purge_stored(self, namespace_id: str) -> dict[str, int]:
+        """Erase a namespace from L3 after ``purge_local`` (any thread): waits for the chunk being written
+        now, if any (it may have been filtered before the purge); the chunks after it are filtered by the
+        writer, so the wait is one chunk at most. Call it before ``purge_remote``, which relies on it."""
+        with self._chunk_written:
+            taken = self._num_chunks_taken
+            self._chunk_written.wait_for(lambda: self._num_chunks_written >= taken)
+        return {} if self.disk is None else {"l3": self.disk.purge(namespace_id)}
 
     def purge_remote(self, namespace_id: str) -> int | None:
         """Erase a namespace from Redis (any thread; None without a remote tier).
