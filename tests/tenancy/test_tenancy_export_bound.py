@@ -110,7 +110,7 @@ async def test_the_gateways_sessions_end_a_transaction_left_idle(pg_url):
     async with engine.connect() as connection:
         assert await connection.scalar(text("SHOW idle_in_transaction_session_timeout")) == "1min"
     await engine.dispose()
-    settings = {"idle_in_transaction_session_timeout": "300ms"}
+    settings = {"idle_in_transaction_session_timeout": "1500ms"}
     engine = create_engine(pg_url, connect_args={"server_settings": settings})
     sessionmaker = create_sessionmaker(engine)
     stuck = sessionmaker()
@@ -118,7 +118,7 @@ async def test_the_gateways_sessions_end_a_transaction_left_idle(pg_url):
         await stuck.execute(insert(UsageRecord).values(event("stuck").to_row()))
         await insert_usage(sessionmaker, [event("later")])
         assert (await export_requests(sessionmaker)).held_back
-        await asyncio.sleep(1.0)  # the server ends stuck's session after 300 ms idle
+        await asyncio.sleep(3.0)  # the server ends stuck's session after 1.5 s idle
         page = await export_requests(sessionmaker)
         assert [row["request_id"] for row in page.data] == ["later"] and not page.has_more
     finally:
