@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.pipeline import PreparedRequest
+from gateway.ratelimit import Counted
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import OUTCOME_COMPLETED, OUTCOME_FORMAT_ERROR, Prices, UsageEvent
 
@@ -48,6 +49,8 @@ class TenantCall:
     delivered_tokens: int = 0  # completion tokens whose text was written to the client
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
+    requests_counted: Counted | None = None  # where its first unit of requests per minute was counted
+    tokens_counted: Counted | None = None  # where its tokens per minute were counted (refunds go there)
     started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
     admission_slots: int = 0  # held in gateway.admission: 1 once in, n once its n choices are counted
 

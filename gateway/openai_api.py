@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
-from gateway.ratelimit import requests_key, tokens_key
+from gateway.ratelimit import RateDecision, requests_key, tokens_key
 from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -108,7 +108,8 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
     try:
         gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)  # 503/429 at once when full
         call.admission_slots = 1
-        call.rate_headers = await check_rate_limit(request, tenant)
+        decision = await check_rate_limit(request, tenant)
+        call.rate_headers, call.requests_counted = decision.headers("requests"), decision.counted
         yield call
     except APIError as exc:
         call.status = exc.status
@@ -140,9 +141,9 @@ def _cut(request: web.Request, call: TenantCall) -> None:
         call.status = STATUS_CLIENT_CLOSED
 
 
-async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[str, str]:
+async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> RateDecision:
     """Count one request against the tenant's requests per minute (its other n - 1 choices are counted
-    by ``admit_choices`` once the body is read); its x-ratelimit-* headers."""
+    by ``admit_choices`` once the body is read); 429 when it does not fit."""
     limiter = request.config_dict[RATE_LIMITER]
     decision = await limiter.check(requests_key(tenant.tenant_id), tenant.rate_limit_rpm)
     headers = decision.headers("requests")
@@ -152,7 +153,7 @@ async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[s
             retry_after_s=decision.retry_after_s,
             headers=headers,
         )
-    return headers
+    return decision
 
 
 async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
@@ -162,6 +163,7 @@ async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: 
         tokens_key(call.tenant.tenant_id), limit, num_tokens
     )
     call.rate_headers.update(decision.headers("tokens"))
+    call.tokens_counted = decision.counted
     if not decision.allowed:
         too_big = limit is not None and num_tokens > limit
         raise RateLimited(
@@ -263,6 +265,7 @@ async def _serve(
         call.tenant,
         parsed.sampling.n,
         call.rate_headers,
+        call.requests_counted,
     )
     upstream = request.config_dict[UPSTREAMS].upstream_for(parsed.model)
     if upstream is not None:  # an external OpenAI-compatible upstream (gateway.upstream_serve)
@@ -396,7 +399,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     gate = request.config_dict[ADMISSION]
     gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)
     try:
-        headers = await check_rate_limit(request, tenant)
+        headers = (await check_rate_limit(request, tenant)).headers("requests")
         parsed = (await read_request(request, tenant.tenant_id, parse_chat)).request
         pipeline = request.config_dict[PIPELINE]
         if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:

@@ -239,7 +239,9 @@ def num_limit_tokens_used(call: TenantCall, forwarded: ForwardedRequest) -> int 
 async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> None:
     """Correct the tenant's tokens-per-minute window, which the check charged the characters / 4
     estimate, with the tokens the upstream reported (more or fewer): a prompt the estimate undercounts
-    (one token a character) must not let a tenant past its limit through an external upstream."""
+    (one token a character) must not let a tenant past its limit through an external upstream. A
+    refund goes back to the window the check counted in, if it is still current (a stream may end
+    minutes later: review r8 #4); a charge lands in the current one (gateway.ratelimit)."""
     used = num_limit_tokens_used(call, forwarded)
     if not call.tenant.rate_limit_tpm or used is None or used == forwarded.num_limit_tokens:
         return
@@ -247,7 +249,7 @@ async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: 
     if used > forwarded.num_limit_tokens:
         await limiter.charge(key, used - forwarded.num_limit_tokens)
     else:
-        await limiter.refund(key, forwarded.num_limit_tokens - used)
+        await limiter.refund(key, forwarded.num_limit_tokens - used, call.tokens_counted)
 
 
 def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:
