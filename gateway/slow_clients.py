@@ -136,26 +136,27 @@ def num_unacked_bytes(transport: asyncio.BaseTransport) -> int:
 
 class _Progress:
     """Fires ``scope`` once the client has taken no byte for ``timeout_s`` (checked every quarter of
-    it): a client that keeps reading, however slowly, is never cut; one that stopped is, within
-    1.25 x ``timeout_s``. Progress is what the client's kernel acknowledged (``num_taken_bytes``):
-    aiohttp's buffer alone would move only when the kernel's send buffer is half empty again (Linux
-    wakes a writer then), which a slow reader of a socket with megabytes of buffers takes minutes to do."""
+    it): a client that takes a byte at least every ``timeout_s`` is never cut; one that stopped is,
+    within 1.25 x ``timeout_s`` of the write. Progress is what the client's kernel acknowledged
+    (``num_taken_bytes``): aiohttp's buffer alone moves only when the kernel's send buffer is half empty
+    again (Linux wakes a writer then), which a slow reader takes minutes to do with megabytes of buffers.
+    Nothing is measured before the first check: most writes never wait that long."""
 
     __slots__ = ("handle", "last_s", "num_taken_bytes", "scope", "stream")
 
     def __init__(self, stream: ClientStream[Any], scope: asyncio.Timeout) -> None:
         self.stream, self.scope = stream, scope
-        self.num_taken_bytes = stream.num_taken_bytes()
-        self.last_s = asyncio.get_running_loop().time()
+        self.num_taken_bytes = -1  # none measured yet
+        self.last_s = 0.0
         self.handle = asyncio.get_running_loop().call_later(stream.timeout_s / 4, self.check)
 
     def check(self) -> None:
         loop = asyncio.get_running_loop()
         now, timeout_s = loop.time(), self.stream.timeout_s
         num_taken = self.stream.num_taken_bytes()
-        if num_taken > self.num_taken_bytes:
+        if num_taken > self.num_taken_bytes:  # progress (or the first look): the deadline restarts
             self.num_taken_bytes, self.last_s = num_taken, now
-        if now - self.last_s >= timeout_s:
+        elif now - self.last_s >= timeout_s:
             self.scope.reschedule(now)  # TimeoutError in the writer
             return
         self.handle = loop.call_later(min(timeout_s / 4, self.last_s + timeout_s - now), self.check)
