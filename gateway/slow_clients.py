@@ -254,10 +254,14 @@ async def send_answer(request: web.Request, call: TenantCall, response: web.Resp
     timeout_s = request.config_dict[CONFIG].stream_write_timeout_s
     try:
         await response.prepare(request)
+        call.headers_sent = True  # a shutdown's cut keeps the answer's 200, as a stream's does
         await ClientStream(request, response, timeout_s, None).write_eof()
     except ConnectionResetError as exc:
         call.bill_whole_answer()
         raise AnswerCut(response) from exc
+    except asyncio.CancelledError:  # the client went away (handler cancellation), or a shutdown
+        call.bill_whole_answer()
+        raise
 
 
 class JSONErrorRequestHandler(web.RequestHandler):
