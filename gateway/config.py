@@ -135,7 +135,7 @@ class GatewayConfig:
     cpu_queue_max: int = 64  # requests waiting for those threads; more get 503 at once
     header_timeout_s: float = 10.0  # a connection's first request head must be complete by then
     read_timeout_s: float = 30.0  # a request body must have arrived by then (408)
-    stream_write_timeout_s: float = 30.0  # a stream's client must accept each chunk by then, or is cut
+    stream_write_timeout_s: float = 30.0  # an answer's client taking no byte for this long is cut
     default_max_tokens: int = 512  # when a request gives none (capped by the context window)
     policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
     usage_flush_s: float = 0.5

@@ -31,7 +31,7 @@ from gateway.ratelimit import RateDecision, requests_key, tokens_key
 from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
-from gateway.slow_clients import ClientStream
+from gateway.slow_clients import AnswerCut, ClientStream, send_answer
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -295,7 +295,9 @@ async def _serve(
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
     with _formatting(call):
-        return openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
+        answer = openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
+    await send_answer(request, call, answer)
+    return answer
 
 
 def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
@@ -316,7 +318,8 @@ async def _stream(
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
-        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
+        # Marked with the completion tokens written: a cut bills those whose bytes left the gateway.
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s, 0)
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
@@ -335,6 +338,7 @@ async def _stream(
                     if chunk:
                         await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
+                        out.mark(call.delivered_tokens)
                 if event.get("type") == "final":
                     usages[index] = event.get("usage") or {}
                     usage = choices.combined_usage([usages[i] for i in sorted(usages)])
@@ -344,6 +348,7 @@ async def _stream(
                         chunk = writer.final(reason, usage if last else None, index)
                     await out.write(chunk)
                     call.delivered_tokens += held.pop(index, 0)
+                    out.mark(call.delivered_tokens)
                     if last:  # every choice ended: the worker's usage is what was delivered
                         call.usage = usage
                 item = await anext(events, None)
@@ -351,6 +356,7 @@ async def _stream(
             call.outcome = call.outcome or OUTCOME_SERVER_ERROR
             await out.write(writer.error(exc.to_json(call.request_id)))
         except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
+            call.delivered_tokens = out.delivered()  # not what the abort threw away
             _cut(request, call)
             return response
         except asyncio.CancelledError:
@@ -378,16 +384,23 @@ async def _end_for_shutdown(
         await asyncio.wait_for(response.write_eof(), 1.0)
 
 
+async def _complete(
+    request: web.Request, endpoint: str, parse: Callable[..., Any], formatter: Formatter
+) -> web.StreamResponse:
+    try:
+        async with tenant_call(request, endpoint) as call:
+            body = await read_request(request, call.tenant.tenant_id, parse)
+            return await _serve(request, call, body, formatter)
+    except AnswerCut as cut:  # recorded as the client's cancellation; its connection is gone
+        return cut.response
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    async with tenant_call(request, "chat.completions") as call:
-        body = await read_request(request, call.tenant.tenant_id, parse_chat)
-        return await _serve(request, call, body, openai_format.chat_completion)
+    return await _complete(request, "chat.completions", parse_chat, openai_format.chat_completion)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    async with tenant_call(request, "completions") as call:
-        body = await read_request(request, call.tenant.tenant_id, parse_completion)
-        return await _serve(request, call, body, openai_format.completion)
+    return await _complete(request, "completions", parse_completion, openai_format.completion)
 
 
 async def prompt_lint(request: web.Request) -> web.Response:
