@@ -66,12 +66,16 @@ def _iso(moment: datetime | None) -> str | None:
     return None if moment is None else moment.isoformat()
 
 
-def _csv(text: str, filename: str, next_cursor: str | None, has_more: bool) -> web.Response:
+def _csv(
+    text: str, filename: str, next_cursor: str | None, has_more: bool, held_back: bool | None = None
+) -> web.Response:
     headers = {
         "Content-Disposition": f'attachment; filename="{filename}"',
         "X-Next-Cursor": next_cursor or "",
         "X-Has-More": "true" if has_more else "false",
     }
+    if held_back is not None:
+        headers["X-Held-Back"] = "true" if held_back else "false"
     return web.Response(text=text, content_type="text/csv", headers=headers)
 
 
@@ -146,8 +150,13 @@ async def request_export_handler(request: web.Request) -> web.Response:
     )
     if output == "csv":
         text = await asyncio.to_thread(rows_to_csv, page.data, EXPORT_FIELDS)
-        return _csv(text, "requests.csv", page.next_cursor, page.has_more)
-    body = {"object": "list", "next_cursor": page.next_cursor, "has_more": page.has_more}
+        return _csv(text, "requests.csv", page.next_cursor, page.has_more, page.held_back)
+    body = {
+        "object": "list",
+        "next_cursor": page.next_cursor,
+        "has_more": page.has_more,
+        "held_back": page.held_back,  # records wait for a usage write still open: ask again shortly
+    }
     return await _json(body, lambda: page.data)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.errors import RateLimited, Unavailable
-from gateway.ratelimit import RateLimiter, requests_key
+from gateway.ratelimit import Counted, RateLimiter, requests_key
 from tenancy.policy import TenantPolicy
 
 
@@ -89,24 +89,30 @@ class AdmissionGate:
 
 
 async def admit_choices(
-    gate: AdmissionGate, limiter: RateLimiter, tenant: TenantPolicy, num_choices: int, rate_headers: dict
+    gate: AdmissionGate,
+    limiter: RateLimiter,
+    tenant: TenantPolicy,
+    num_choices: int,
+    rate_headers: dict,
+    first_counted: Counted | None,
 ) -> int:
     """Count a request's ``num_choices - 1`` choices beyond the first against the tenant's requests per
     minute and concurrent requests; returns the admission slots it holds from now on (``num_choices``).
 
     Raises ``RateLimited`` (429) when they do not fit (``n_exceeds_limit`` when ``n`` alone is over a
-    limit: it never will) after giving back the request's first unit of requests per minute, so that a
-    refused request counts nothing; it then still holds its one slot. ``rate_headers`` (the request's
-    ``x-ratelimit-*``) are updated.
+    limit: it never will) after giving back the request's first unit of requests per minute (counted at
+    ``first_counted``), so that a refused request counts nothing; it then still holds its one slot.
+    ``rate_headers`` (the request's ``x-ratelimit-*``) are updated.
     """
     extra = num_choices - 1
     if extra == 0:
         return 1
     rpm_key, rpm = requests_key(tenant.tenant_id), tenant.rate_limit_rpm
 
-    async def refuse(error: RateLimited, counted: int) -> RateLimited:
+    async def refuse(error: RateLimited, extra_counted: Counted | None = None) -> RateLimited:
         if rpm:
-            await limiter.refund(rpm_key, counted)
+            await limiter.refund(rpm_key, 1, first_counted)
+            await limiter.refund(rpm_key, extra, extra_counted)
         error.headers = {**rate_headers, **error.headers}
         return error
 
@@ -119,15 +125,15 @@ async def admit_choices(
                 f"n={num_choices} choices count as {num_choices} requests and the limit of {limit} {what} "
                 "can never fit them; lower n"
             )
-            raise await refuse(RateLimited(message, param="n", code="n_exceeds_limit"), 1)
+            raise await refuse(RateLimited(message, param="n", code="n_exceeds_limit"))
     decision = await limiter.check(rpm_key, rpm, extra)
     rate_headers.update(decision.headers("requests"))
     if not decision.allowed:
         message = f"rate limit of {rpm} requests per minute reached: n={num_choices} choices count as "
         error = RateLimited(f"{message}{num_choices} requests", retry_after_s=decision.retry_after_s)
-        raise await refuse(error, 1)
+        raise await refuse(error)
     try:
         gate.widen(tenant.tenant_id, extra, tenant.max_concurrent_requests, num_choices=num_choices)
     except RateLimited as error:
-        raise await refuse(error, num_choices) from None
+        raise await refuse(error, decision.counted) from None
     return num_choices

@@ -177,7 +177,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     cpu = CpuPool(num_threads=config.cpu_threads, max_waiting=config.cpu_queue_max)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
-    app[PREFIX_INDEX] = prefix_index = PrefixIndex()
+    app[PREFIX_INDEX] = prefix_index = PrefixIndex(max_remote_ttl_s=config.kv_index_max_remote_ttl_s)
     relay = None
     if config.redis_url and config.kv_index:  # replicas share the workers' event streams
         relay = RedisKVRelay(config.redis_url, replica_id=secrets.token_hex(8))

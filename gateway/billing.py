@@ -6,7 +6,9 @@ Billing rules:
   costs nothing and records 0 tokens;
 - a completed request is billed the worker's usage;
 - a request cut part-way (client gone, worker crash, gateway shutdown) is billed its prompt as served
-  and the completion tokens actually sent to the client;
+  and the completion tokens actually sent to the client: for a stream cut because its client stopped
+  reading, the tokens whose bytes left the gateway (not those the cut's abort discarded); a
+  non-streamed answer cut while it was written is one piece, billed whole (``bill_whole_answer``);
 - an answer the gateway could not format (``format_error``) is billed what was delivered like a cut
   one; when that is nothing, the record still holds the tokens the worker used, at no cost.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.pipeline import PreparedRequest
+from gateway.ratelimit import Counted
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import OUTCOME_COMPLETED, OUTCOME_FORMAT_ERROR, Prices, UsageEvent
 
@@ -48,8 +51,19 @@ class TenantCall:
     delivered_tokens: int = 0  # completion tokens whose text was written to the client
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
+    requests_counted: Counted | None = None  # where its first unit of requests per minute was counted
+    tokens_counted: Counted | None = None  # where its tokens per minute were counted (refunds go there)
     started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
     admission_slots: int = 0  # held in gateway.admission: 1 once in, n once its n choices are counted
+
+    def bill_whole_answer(self) -> None:
+        """A non-streamed answer was cut while it was written (its client stopped taking it, or hung
+        up): it is one piece, generated whole and partly sent (the kernel's buffers take its head at
+        once, the answer's text), so it is billed whole, as the client's cancellation. Billing only
+        an answer taken to its last byte would let a client read all but the tail and pay nothing."""
+        if self.usage is not None:
+            self.prompt_usage = self.usage
+            self.delivered_tokens = int(self.usage.get("completion_tokens", 0))
 
 
 def tenant_prices(tenant: TenantPolicy, config: GatewayConfig) -> Prices:

@@ -135,7 +135,7 @@ class GatewayConfig:
     cpu_queue_max: int = 64  # requests waiting for those threads; more get 503 at once
     header_timeout_s: float = 10.0  # a connection's first request head must be complete by then
     read_timeout_s: float = 30.0  # a request body must have arrived by then (408)
-    stream_write_timeout_s: float = 30.0  # a stream's client must accept each chunk by then, or is cut
+    stream_write_timeout_s: float = 30.0  # an answer's client taking no byte for this long is cut
     default_max_tokens: int = 512  # when a request gives none (capped by the context window)
     policy_refresh_s: float = 0.5  # how often replicas poll for admin changes
     usage_flush_s: float = 0.5
@@ -150,6 +150,7 @@ class GatewayConfig:
     router: str = "kv_aware"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     kv_index: bool = True  # follow the workers' KV events into a prefix index (gateway.kv_index)
+    kv_index_max_remote_ttl_s: float = 86400.0  # a worker's reported Redis TTL is trusted up to this
     near_miss_min_blocks: int = 4  # near-miss tenants: consult FAISS when the exact index finds fewer
     near_miss_max_wait_ms: float = 0.0  # > 0: FAISS on, a request waits at most this for its embedding
     near_miss_embedding: str = "auto"  # "auto": int8 ONNX graph (else fp32), or "sentence-transformers"

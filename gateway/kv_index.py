@@ -11,7 +11,12 @@ sequence number.
 
 Blocks in the Redis tier (``remote`` events) live outside any one worker: they are kept per Redis tier
 id, and every worker reporting that id (``remote_tier`` in its event batches) is credited with them at
-the ``remote`` weight, until the tier's TTL passes without the block being announced again.
+the ``remote`` weight, until the tier's TTL passes without the block being announced again. A worker
+names one tier id at a time: when it names another, its old tier's entries are forgotten unless another
+worker still names that tier, so the shared entries never outgrow one tier's cap per worker url (a worker
+naming a new id per batch used to keep every one). A dropped worker's tier is kept for its url (what it
+wrote is still in Redis for a restarted worker or its peers) until that url names another tier, or the
+entries expire. The TTL a worker reports is clamped to ``max_remote_ttl_s``.
 
 Memory is bounded. Redis expires blocks silently, so shared entries are kept in the order they were last
 announced and swept from the front once their TTL has passed; a tier's entries are capped at
@@ -47,6 +52,10 @@ WRITE_PRESSURE_TAU_S = 60.0
 CAPACITY_SLACK = 2
 DEFAULT_MAX_BLOCKS = 1 << 18
 MAX_BLOCKS = 1 << 22
+# A Redis tier's TTL as reported is trusted up to this (the worker's default is 3600 s): an entry announced
+# once is forgotten by then at the latest, whatever the worker says.
+DEFAULT_MAX_REMOTE_TTL_S = 86400.0
+MAX_TIER_ID_CHARS = 128
 
 
 @dataclass(slots=True)
@@ -118,18 +127,28 @@ def _num_removals(events: Sequence[Mapping[str, Any]], max_blocks: int) -> int:
 class PrefixIndex:
     """Block hashes cached per worker url, fed by KV events."""
 
-    def __init__(self, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, clock: Any = time.monotonic, max_remote_ttl_s: float = DEFAULT_MAX_REMOTE_TTL_S
+    ) -> None:
         self.workers: dict[str, WorkerIndex] = {}
+        self.max_remote_ttl_s = max_remote_ttl_s
         # Redis tier id -> its blocks, oldest announcement first (so expired ones are swept from the front)
         self.shared: dict[str, OrderedDict[bytes, SharedBlock]] = {}
         self._shared_max: dict[str, int] = {}  # Redis tier id -> entries kept at most
+        self._dropped_tiers: dict[str, str] = {}  # url of a dropped worker -> the Redis tier id it named
         self._clock = clock
         # (url, block hash) -> (leader's request id, future) of each wait_stored
         self._waiters: dict[tuple[str, bytes], list[tuple[str, asyncio.Future[bool]]]] = {}
 
     def drop(self, url: str) -> None:
-        """Forget a worker (dead, restarted, or its event stream broke)."""
-        self.workers.pop(url, None)
+        """Forget a worker (dead, restarted, or its event stream broke). Its Redis tier's entries stay,
+        held for its url (at most one tier per url), until the url names another tier or they expire."""
+        state = self.workers.pop(url, None)
+        if state is not None and state.remote_tier:
+            before = self._dropped_tiers.get(url)
+            self._dropped_tiers[url] = state.remote_tier
+            if before and before != state.remote_tier:
+                self._release_tier(before)
         for (waited_url, block_hash), _ in list(self._waiters.items()):
             if waited_url == url:
                 self._wake(url, block_hash, False)
@@ -187,10 +206,13 @@ class PrefixIndex:
     def apply(self, url: str, batch: Mapping[str, Any]) -> None:
         """Apply one ``GET /v1/kv_events`` answer of the worker at ``url``."""
         state = self.workers.get(url)
+        old_tier = state.remote_tier if state is not None else self._dropped_tiers.pop(url, None)
         if state is None or state.worker_id != batch["worker_id"] or batch.get("reset"):
             state = self.workers[url] = WorkerIndex(worker_id=batch["worker_id"])
         tier = batch.get("remote_tier") or {}
-        state.remote_tier = tier.get("id")
+        state.remote_tier, ttl_s = self._remote_tier_of(tier)
+        if old_tier and old_tier != state.remote_tier:  # one tier per worker: the one it named before goes
+            self._release_tier(old_tier)
         state.max_blocks = capacity_bound(batch.get("capacity_blocks"))
         self._sweep_shared()
         if state.remote_tier:
@@ -202,7 +224,7 @@ class PrefixIndex:
         headroom = _num_removals(batch["events"], state.max_blocks)
         for event in batch["events"]:
             if event.get("medium") == "remote":
-                self._apply_shared(tier, event)
+                self._apply_shared(state.remote_tier, ttl_s, event)
             else:
                 self._apply_event(state, event, state.max_blocks + headroom)
                 if self._waiters and event["type"] == "BlockStored":
@@ -260,12 +282,36 @@ class PrefixIndex:
             elif kind == "BlockRemoved":
                 PrefixIndex._remove(state, block_hash, medium)
 
-    def _apply_shared(self, tier: Mapping[str, Any], event: Mapping[str, Any]) -> None:
-        if not tier.get("id"):
+    def _remote_tier_of(self, tier: Mapping[str, Any]) -> tuple[str | None, float]:
+        """(id, TTL clamped to ``max_remote_ttl_s``) of the Redis tier a batch names.
+
+        Raises:
+            ValueError: the id is not a short string or the TTL not a number of seconds (a malformed batch).
+        """
+        tier_id = tier.get("id") or None
+        if tier_id is None:
+            return None, 0.0
+        if not isinstance(tier_id, str) or len(tier_id) > MAX_TIER_ID_CHARS:
+            raise ValueError(f"remote_tier.id must be a string of at most {MAX_TIER_ID_CHARS} characters")
+        ttl_s = float(tier.get("ttl_s", 3600))
+        if not ttl_s >= 0:  # NaN too
+            raise ValueError(f"remote_tier.ttl_s must be a number of seconds, not {ttl_s!r}")
+        return tier_id, min(ttl_s, self.max_remote_ttl_s)
+
+    def _release_tier(self, tier_id: str) -> None:
+        """Forget a Redis tier's entries once no worker (nor a dropped worker's url) names it."""
+        named = [state.remote_tier for state in self.workers.values()] + list(self._dropped_tiers.values())
+        if tier_id in named:
+            return
+        self.shared.pop(tier_id, None)
+        self._shared_max.pop(tier_id, None)
+
+    def _apply_shared(self, tier_id: str | None, ttl_s: float, event: Mapping[str, Any]) -> None:
+        if not tier_id:
             return  # not reachable from the worker's tier id: nothing to credit it to
-        blocks = self.shared.setdefault(tier["id"], OrderedDict())
-        max_blocks = self._shared_max.get(tier["id"], DEFAULT_MAX_BLOCKS)
-        expires_s = self._clock() + float(tier.get("ttl_s", 3600))
+        blocks = self.shared.setdefault(tier_id, OrderedDict())
+        max_blocks = self._shared_max.get(tier_id, DEFAULT_MAX_BLOCKS)
+        expires_s = self._clock() + ttl_s
         if event["type"] == "AllBlocksCleared":
             blocks.clear()
         for hex_hash in event.get("block_hashes", ()):

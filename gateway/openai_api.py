@@ -27,11 +27,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
 from gateway.pipeline import new_request_id as new_completion_id
-from gateway.ratelimit import requests_key, tokens_key
+from gateway.ratelimit import RateDecision, requests_key, tokens_key
 from gateway.request_body import ParsedBody, read_request
 from gateway.request_id import new_request_id, request_id_generated, request_id_of, usage_key
 from gateway.schemas import ChatRequest, CompletionRequest, parse_chat, parse_completion
-from gateway.slow_clients import ClientStream
+from gateway.slow_clients import AnswerCut, ClientStream, send_answer
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -108,7 +108,8 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
     try:
         gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)  # 503/429 at once when full
         call.admission_slots = 1
-        call.rate_headers = await check_rate_limit(request, tenant)
+        decision = await check_rate_limit(request, tenant)
+        call.rate_headers, call.requests_counted = decision.headers("requests"), decision.counted
         yield call
     except APIError as exc:
         call.status = exc.status
@@ -140,9 +141,9 @@ def _cut(request: web.Request, call: TenantCall) -> None:
         call.status = STATUS_CLIENT_CLOSED
 
 
-async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[str, str]:
+async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> RateDecision:
     """Count one request against the tenant's requests per minute (its other n - 1 choices are counted
-    by ``admit_choices`` once the body is read); its x-ratelimit-* headers."""
+    by ``admit_choices`` once the body is read); 429 when it does not fit."""
     limiter = request.config_dict[RATE_LIMITER]
     decision = await limiter.check(requests_key(tenant.tenant_id), tenant.rate_limit_rpm)
     headers = decision.headers("requests")
@@ -152,7 +153,7 @@ async def check_rate_limit(request: web.Request, tenant: TenantPolicy) -> dict[s
             retry_after_s=decision.retry_after_s,
             headers=headers,
         )
-    return headers
+    return decision
 
 
 async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: int) -> None:
@@ -162,6 +163,7 @@ async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: 
         tokens_key(call.tenant.tenant_id), limit, num_tokens
     )
     call.rate_headers.update(decision.headers("tokens"))
+    call.tokens_counted = decision.counted
     if not decision.allowed:
         too_big = limit is not None and num_tokens > limit
         raise RateLimited(
@@ -263,6 +265,7 @@ async def _serve(
         call.tenant,
         parsed.sampling.n,
         call.rate_headers,
+        call.requests_counted,
     )
     upstream = request.config_dict[UPSTREAMS].upstream_for(parsed.model)
     if upstream is not None:  # an external OpenAI-compatible upstream (gateway.upstream_serve)
@@ -292,7 +295,9 @@ async def _serve(
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
     with _formatting(call):
-        return openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
+        answer = openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
+    await send_answer(request, call, answer)
+    return answer
 
 
 def _headers(call: TenantCall, prepared: PreparedRequest) -> dict[str, str]:
@@ -313,7 +318,8 @@ async def _stream(
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
         call.headers_sent = True
-        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
+        # Marked with the completion tokens written: a cut bills those whose bytes left the gateway.
+        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s, 0)
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
@@ -332,6 +338,7 @@ async def _stream(
                     if chunk:
                         await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
+                        out.mark(call.delivered_tokens)
                 if event.get("type") == "final":
                     usages[index] = event.get("usage") or {}
                     usage = choices.combined_usage([usages[i] for i in sorted(usages)])
@@ -341,6 +348,7 @@ async def _stream(
                         chunk = writer.final(reason, usage if last else None, index)
                     await out.write(chunk)
                     call.delivered_tokens += held.pop(index, 0)
+                    out.mark(call.delivered_tokens)
                     if last:  # every choice ended: the worker's usage is what was delivered
                         call.usage = usage
                 item = await anext(events, None)
@@ -348,6 +356,7 @@ async def _stream(
             call.outcome = call.outcome or OUTCOME_SERVER_ERROR
             await out.write(writer.error(exc.to_json(call.request_id)))
         except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
+            call.delivered_tokens = out.delivered()  # not what the abort threw away
             _cut(request, call)
             return response
         except asyncio.CancelledError:
@@ -375,16 +384,23 @@ async def _end_for_shutdown(
         await asyncio.wait_for(response.write_eof(), 1.0)
 
 
+async def _complete(
+    request: web.Request, endpoint: str, parse: Callable[..., Any], formatter: Formatter
+) -> web.StreamResponse:
+    try:
+        async with tenant_call(request, endpoint) as call:
+            body = await read_request(request, call.tenant.tenant_id, parse)
+            return await _serve(request, call, body, formatter)
+    except AnswerCut as cut:  # recorded as the client's cancellation; its connection is gone
+        return cut.response
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    async with tenant_call(request, "chat.completions") as call:
-        body = await read_request(request, call.tenant.tenant_id, parse_chat)
-        return await _serve(request, call, body, openai_format.chat_completion)
+    return await _complete(request, "chat.completions", parse_chat, openai_format.chat_completion)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    async with tenant_call(request, "completions") as call:
-        body = await read_request(request, call.tenant.tenant_id, parse_completion)
-        return await _serve(request, call, body, openai_format.completion)
+    return await _complete(request, "completions", parse_completion, openai_format.completion)
 
 
 async def prompt_lint(request: web.Request) -> web.Response:
@@ -396,7 +412,7 @@ async def prompt_lint(request: web.Request) -> web.Response:
     gate = request.config_dict[ADMISSION]
     gate.enter(tenant.tenant_id, tenant.max_concurrent_requests)
     try:
-        headers = await check_rate_limit(request, tenant)
+        headers = (await check_rate_limit(request, tenant)).headers("requests")
         parsed = (await read_request(request, tenant.tenant_id, parse_chat)).request
         pipeline = request.config_dict[PIPELINE]
         if request.config_dict[UPSTREAMS].upstream_for(parsed.model) is not None:

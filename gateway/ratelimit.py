@@ -7,11 +7,21 @@ have a limit). While Redis fails or hangs it limits locally and **pauses** Redis
 error (like the hot-prefix counters), so a hung Redis costs one short timeout per pause, not one per
 request.
 
-Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report. ``refund``
-gives back units counted for a request that was refused later (a request with ``n`` choices counts one
-request on arrival and ``n - 1`` more once its body is read: refused then, it counts nothing), or that a
-check over-estimated; ``charge`` counts units a check under-estimated (an external upstream's prompt is
-checked at characters / 4, then corrected with the tokens the upstream reports: gateway.upstream_serve).
+Each check answers a ``RateDecision`` that carries what the ``x-ratelimit-*`` headers report and where
+the check counted (``Counted``). ``refund`` gives back units counted for a request that was refused later
+(a request with ``n`` choices counts one request on arrival and ``n - 1`` more once its body is read:
+refused then, it counts nothing), or that a check over-estimated; ``charge`` counts units a check
+under-estimated (an external upstream's prompt is checked at characters / 4, then corrected with the
+tokens the upstream reports, at the end of its stream: gateway.upstream_serve).
+
+Windows (review r8 #4): a stream checked in one minute may end minutes later. A refund goes back where
+its check counted, and only while that still limits anything: into the check's Redis window while it is
+the current one, onto the check's own local hit while it is inside the sliding window; otherwise it is
+skipped (the units it would free were never counted where the requests that follow are checked; freeing
+them there let a tenant past its limit). A charge always lands, in the current window (Redis) or as a hit
+at the current time (local): its units were used by a request that ran until now, and a window that has
+passed can refuse nothing any more. So a charge may count a little longer than the request's own check,
+never shorter.
 """
 
 from __future__ import annotations
@@ -29,6 +39,14 @@ WINDOW_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Counted:
+    """Where an allowed check counted its units: ``refund`` gives them back there, or nowhere."""
+
+    window: int | None = None  # RedisRateLimiter: the fixed window's number, int(time.time() // WINDOW_S)
+    local_s: float | None = None  # LocalRateLimiter: the time of the check's hit (time.monotonic())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RateDecision:
     """One limit checked for one request."""
 
@@ -36,6 +54,7 @@ class RateDecision:
     limit: int | None  # None: unlimited
     remaining: int  # what is left in the window after this request (0 when refused)
     reset_s: float  # seconds until the window frees enough room (0 when nothing is used)
+    counted: Counted | None = None  # None: nothing counted (refused, or unlimited)
 
     @classmethod
     def unlimited(cls) -> RateDecision:
@@ -61,13 +80,14 @@ class RateLimiter(Protocol):
         """Count ``cost`` units for ``key`` if they fit in the limit (None or 0: unlimited)."""
         ...
 
-    async def refund(self, key: str, cost: int) -> None:
-        """Give back ``cost`` units counted by an allowed ``check`` of ``key`` (never below zero)."""
+    async def refund(self, key: str, cost: int, counted: Counted | None) -> None:
+        """Give back up to ``cost`` units that the allowed check of ``key`` answering ``counted`` counted,
+        where it counted them, if that window still limits anything; else nothing (never below zero)."""
         ...
 
     async def charge(self, key: str, cost: int) -> None:
-        """Count ``cost`` more units for ``key`` without refusing (past the limit too): what an allowed
-        request used beyond its check. The requests that follow are refused on them."""
+        """Count ``cost`` more units for ``key`` in the current window without refusing (past the limit
+        too): what an allowed request used beyond its check. The requests that follow are refused on them."""
         ...
 
     async def close(self) -> None: ...
@@ -100,21 +120,33 @@ class LocalRateLimiter:
             limit=limit_per_window,
             remaining=limit_per_window - used - cost,
             reset_s=reset_s or self._window_s,
+            counted=Counted(local_s=now),
         )
 
     def allow_at(self, key: str, limit_per_window: int | None, now: float) -> bool:
         return self.check_at(key, limit_per_window, 1, now).allowed
 
-    async def refund(self, key: str, cost: int) -> None:
-        """Take ``cost`` units off the newest hits of ``key`` (the refunded request's are among them)."""
+    def refund_at(self, key: str, cost: int, counted: Counted | None, now: float) -> None:
+        """Take up to ``cost`` units off the check's own hit (at ``counted.local_s``), not off others'
+        (they leave the window later), unless it has left the window already."""
         hits = self._hits.get(key)
-        while hits and cost > 0:
-            at, units = hits.pop()
-            taken = min(units, cost)
-            cost -= taken
-            self._used[key] -= taken
-            if units > taken:
-                hits.append((at, units - taken))
+        if not hits or counted is None or counted.local_s is None or counted.local_s <= now - self._window_s:
+            return
+        for index in range(len(hits) - 1, -1, -1):  # newest first: the check is recent
+            at, units = hits[index]
+            if at < counted.local_s or cost <= 0:
+                break
+            if at == counted.local_s:
+                taken = min(units, cost)
+                cost -= taken
+                self._used[key] -= taken
+                if units > taken:
+                    hits[index] = (at, units - taken)
+                else:
+                    del hits[index]
+
+    async def refund(self, key: str, cost: int, counted: Counted | None) -> None:
+        self.refund_at(key, cost, counted, time.monotonic())
 
     async def charge(self, key: str, cost: int) -> None:
         if cost > 0:
@@ -170,16 +202,22 @@ class RedisRateLimiter:
         reset_s = (window + 1) * WINDOW_S - now
         allowed = count <= limit_per_window
         remaining = max(0, limit_per_window - count) if allowed else 0
-        return RateDecision(allowed=allowed, limit=limit_per_window, remaining=remaining, reset_s=reset_s)
+        counted = Counted(window=window) if allowed else None
+        return RateDecision(
+            allowed=allowed, limit=limit_per_window, remaining=remaining, reset_s=reset_s, counted=counted
+        )
 
-    async def refund(self, key: str, cost: int) -> None:
-        if self.paused:
-            await self._fallback.refund(key, cost)
+    async def refund(self, key: str, cost: int, counted: Counted | None) -> None:
+        if counted is None:
             return
-        redis_key = f"{self._prefix}:{key}:{int(time.time() // WINDOW_S)}"
+        if counted.window is None:  # counted locally while Redis was paused
+            await self._fallback.refund(key, cost, counted)
+            return
+        if counted.window != int(time.time() // WINDOW_S) or self.paused:
+            return  # a window that has passed limits nothing any more; paused: an over-count, never an error
+        redis_key = f"{self._prefix}:{key}:{counted.window}"
         try:
-            # Never below zero: a check counted in the window before this one has nothing here to give back.
-            await self._redis.eval(_REFUND_LUA, 1, redis_key, cost)
+            await self._redis.eval(_REFUND_LUA, 1, redis_key, cost)  # never below zero
         except Exception as exc:  # an over-count for the rest of this window, never an error for the client
             self.num_errors += 1
             log.warning("rate limiter: Redis unavailable, refund of %d for %s lost: %s", cost, key, exc)

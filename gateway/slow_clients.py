@@ -9,24 +9,37 @@
   (404), a wrong method (405) or a route that authorizes nothing never has its body read. The bodies
   being read at once hold at most ``max_reading_bytes`` between them, and one tenant (or the admin) at
   most half of it (503 past either): slow uploads cannot fill the gateway's memory, nor starve others.
-- A streamed answer's client must accept each chunk within ``stream_write_timeout_s`` (``ClientStream``):
-  one that stops reading fills the socket buffers and would block the write, and with it the request's
-  admission slots, its usage record and the generation, for as long as it keeps the socket open. It is
-  cut instead (the connection aborted, ``StalledClient``), as a client that hung up.
+- An answer's client must keep taking its bytes (``ClientStream``): one that takes none for
+  ``stream_write_timeout_s`` fills the socket buffers and would block the write, and with it the
+  request's admission slots, its usage record and the generation, for as long as it keeps the socket
+  open. It is cut instead (the connection aborted, ``StalledClient``), as a client that hung up. A
+  client that reads, however slowly, is not cut (the deadline restarts whenever it takes a byte). A
+  non-streamed answer is written inside its handler under the same deadline (``send_answer``): it
+  cannot stay in the gateway's memory after its call was recorded. A cut stream is billed what left
+  the gateway before the abort, not what the abort discarded (``ClientStream.delivered``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import struct
+import termios
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiohttp import web
 
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
+from gateway.state import CONFIG
+
+if TYPE_CHECKING:
+    from gateway.billing import TenantCall
 
 log = logging.getLogger(__name__)
 
@@ -94,20 +107,113 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
 
 
 class StalledClient(ConnectionResetError):
-    """A stream's client accepted no chunk within the write timeout: handled as a client that hung up."""
+    """A client took no byte of its answer within the write timeout: handled as a client that hung up."""
 
 
-class ClientStream:
-    """A prepared streaming response whose every write must be taken by the client within ``timeout_s``.
+class AnswerCut(ConnectionResetError):
+    """A non-streamed answer's client stopped taking it (or hung up) while it was written."""
 
-    A write waits only while the connection's buffers are full (the client is not reading); past the
-    deadline the connection is aborted (``close`` would wait to flush them) and ``StalledClient`` is
-    raised, so the handler ends and gives back what it holds."""
+    def __init__(self, response: web.Response) -> None:
+        super().__init__("the client did not take its answer")
+        self.response = response
 
-    __slots__ = ("request", "response", "timeout_s")
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, timeout_s: float) -> None:
+M = TypeVar("M")
+
+
+def num_unacked_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the kernel's send queue that the client's kernel has not acknowledged (Linux's
+    SIOCOUTQ; 0 where it cannot be read)."""
+    sock = transport.get_extra_info("socket")
+    request = getattr(termios, "TIOCOUTQ", None)
+    if sock is None or request is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), request, b"\0" * 4))[0])
+    except (OSError, ValueError):
+        return 0
+
+
+class _Progress:
+    """Fires ``scope`` once the client has taken no byte for ``timeout_s`` (checked every quarter of
+    it): a client that takes a byte at least every ``timeout_s`` is never cut; one that stopped is,
+    within 1.25 x ``timeout_s`` of the write. Progress is what the client's kernel acknowledged
+    (``num_taken_bytes``): aiohttp's buffer alone moves only when the kernel's send buffer is half empty
+    again (Linux wakes a writer then), which a slow reader takes minutes to do with megabytes of buffers.
+    Nothing is measured before the first check: most writes never wait that long."""
+
+    __slots__ = ("handle", "last_s", "num_taken_bytes", "scope", "stream")
+
+    def __init__(self, stream: ClientStream[Any], scope: asyncio.Timeout) -> None:
+        self.stream, self.scope = stream, scope
+        self.num_taken_bytes = -1  # none measured yet
+        self.last_s = 0.0
+        self.handle = asyncio.get_running_loop().call_later(stream.timeout_s / 4, self.check)
+
+    def check(self) -> None:
+        loop = asyncio.get_running_loop()
+        now, timeout_s = loop.time(), self.stream.timeout_s
+        num_taken = self.stream.num_taken_bytes()
+        if num_taken > self.num_taken_bytes:  # progress (or the first look): the deadline restarts
+            self.num_taken_bytes, self.last_s = num_taken, now
+        elif now - self.last_s >= timeout_s:
+            self.scope.reschedule(now)  # TimeoutError in the writer
+            return
+        self.handle = loop.call_later(min(timeout_s / 4, self.last_s + timeout_s - now), self.check)
+
+    def stop(self) -> None:
+        self.handle.cancel()
+
+
+class ClientStream(Generic[M]):
+    """A prepared response whose client must keep taking its bytes: a write (or the end) may wait while
+    the connection's buffers are full, but once no byte has left for ``timeout_s`` the connection is
+    aborted (``close`` would wait to flush them) and ``StalledClient`` raised, so the handler ends and
+    gives back what it holds. A slow client that keeps reading is never cut.
+
+    ``mark(value)`` says what the client has once every byte written so far has left the gateway (a
+    cumulative count: tokens, or a relay's state); ``delivered()`` is the value of the last mark whose
+    bytes all left aiohttp's buffer (the kernel still sends them after an abort), or ``initial``: what
+    a cut stream is billed, not what is still waiting in the buffer that ``abort`` discards."""
+
+    __slots__ = ("_acked", "_frozen", "_marks", "request", "response", "timeout_s")
+
+    def __init__(
+        self, request: web.Request, response: web.StreamResponse, timeout_s: float, initial: M
+    ) -> None:
         self.request, self.response, self.timeout_s = request, response, timeout_s
+        self._marks: deque[tuple[int, M]] = deque()  # (bytes written up to it, value), oldest first
+        self._acked = initial
+        self._frozen = False  # aborted: the buffer's size no longer says what left
+
+    def num_sent_bytes(self) -> int:
+        """Bytes of this connection's answers that left aiohttp's buffer (into the kernel)."""
+        transport = self.request.transport
+        buffered = transport.get_write_buffer_size() if transport is not None else 0
+        return self.request.writer.output_size - buffered
+
+    def num_taken_bytes(self) -> int:
+        """Bytes of this connection's answers that the client's kernel acknowledged (that left aiohttp's
+        buffer, where the kernel's send queue cannot be read)."""
+        transport = self.request.transport
+        unacked = num_unacked_bytes(transport) if transport is not None else 0
+        return self.num_sent_bytes() - unacked
+
+    def mark(self, value: M) -> None:
+        self._marks.append((self.request.writer.output_size, value))
+        self._settle()
+
+    def delivered(self) -> M:
+        self._settle()
+        return self._acked
+
+    def _settle(self) -> None:
+        transport = self.request.transport
+        if self._frozen or transport is None or transport.is_closing():
+            return  # a closed transport's buffer is gone: keep what was known to have left
+        num_sent = self.num_sent_bytes()
+        while self._marks and self._marks[0][0] <= num_sent:
+            self._acked = self._marks.popleft()[1]
 
     async def write(self, data: bytes) -> None:
         await self._within(self.response.write(data))
@@ -117,19 +223,45 @@ class ClientStream:
 
     async def _within(self, sending: Awaitable[None]) -> None:
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await sending
+            async with asyncio.timeout(None) as scope:
+                progress = _Progress(self, scope)
+                try:
+                    await sending
+                finally:
+                    progress.stop()
         except TimeoutError:
+            self._settle()  # before the abort throws the buffer away
+            self._frozen = True
             transport = self.request.transport
             if transport is not None:
                 transport.abort()
             log.info(
-                "cut a %s stream to %s: the client accepted nothing for %g s",
+                "cut an answer to %s %s: the client took nothing for %g s",
                 self.request.path,
                 self.request.remote,
                 self.timeout_s,
             )
-            raise StalledClient(f"the client accepted nothing for {self.timeout_s:g} s") from None
+            raise StalledClient(f"the client took nothing for {self.timeout_s:g} s") from None
+
+
+async def send_answer(request: web.Request, call: TenantCall, response: web.Response) -> None:
+    """Write a non-streamed answer inside its handler, under ``ClientStream``'s deadline: an answer
+    that its client does not take is cut (``StalledClient``, recorded as the client's cancellation)
+    instead of staying in the gateway's memory after the handler gave back its admission slots and
+    recorded the call. A cut answer is billed whole (``TenantCall.bill_whole_answer``) and raises
+    ``AnswerCut``: record the call as the client's cancellation, then return its ``response`` from the
+    handler (there is nothing left to send; an exception would be logged as a server error)."""
+    timeout_s = request.config_dict[CONFIG].stream_write_timeout_s
+    try:
+        await response.prepare(request)
+        call.headers_sent = True  # a shutdown's cut keeps the answer's 200, as a stream's does
+        await ClientStream(request, response, timeout_s, None).write_eof()
+    except ConnectionResetError as exc:
+        call.bill_whole_answer()
+        raise AnswerCut(response) from exc
+    except asyncio.CancelledError:  # the client went away (handler cancellation), or a shutdown
+        call.bill_whole_answer()
+        raise
 
 
 class JSONErrorRequestHandler(web.RequestHandler):

@@ -31,7 +31,7 @@ from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.ratelimit import tokens_key
 from gateway.schemas import ChatRequest, CompletionRequest
-from gateway.slow_clients import ClientStream
+from gateway.slow_clients import ClientStream, send_answer
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, RATE_LIMITER, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
@@ -239,7 +239,9 @@ def num_limit_tokens_used(call: TenantCall, forwarded: ForwardedRequest) -> int 
 async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> None:
     """Correct the tenant's tokens-per-minute window, which the check charged the characters / 4
     estimate, with the tokens the upstream reported (more or fewer): a prompt the estimate undercounts
-    (one token a character) must not let a tenant past its limit through an external upstream."""
+    (one token a character) must not let a tenant past its limit through an external upstream. A
+    refund goes back to the window the check counted in, if it is still current (a stream may end
+    minutes later: review r8 #4); a charge lands in the current one (gateway.ratelimit)."""
     used = num_limit_tokens_used(call, forwarded)
     if not call.tenant.rate_limit_tpm or used is None or used == forwarded.num_limit_tokens:
         return
@@ -247,7 +249,7 @@ async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: 
     if used > forwarded.num_limit_tokens:
         await limiter.charge(key, used - forwarded.num_limit_tokens)
     else:
-        await limiter.refund(key, forwarded.num_limit_tokens - used)
+        await limiter.refund(key, forwarded.num_limit_tokens - used, call.tokens_counted)
 
 
 def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:
@@ -271,7 +273,9 @@ async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         data["usage"] = client_usage(billed, forwarded, call)
     await settle_token_limit(request, call, forwarded)
     data.update(id=call.completion_id, model=forwarded.request.model)
-    return json_response(data, headers=_headers(call, forwarded))
+    answer = json_response(data, headers=_headers(call, forwarded))
+    await send_answer(request, call, answer)
+    return answer
 
 
 def _num_token_choices(choices: list[dict[str, Any]]) -> int:
@@ -317,13 +321,23 @@ class _Relay:
             chunk["usage"] = None  # as OpenAI: only the last chunk carries it
         return ChunkWriter.sse(chunk)
 
-    def sent(self) -> None:
-        """The last chunk reached the client: with per-chunk usage (vLLM, SGLang) its tokens count."""
+    def sent(self) -> tuple[int, dict[str, Any] | None]:
+        """The last chunk was written: with per-chunk usage (vLLM, SGLang) its tokens count. Returns
+        what the client has once it leaves the gateway (``ClientStream.mark``, ``rewind``)."""
         self.num_relayed += self._num_pending
         self._num_pending = 0
         if self.usage is not None:
             self._call.prompt_usage = self.usage
             self._call.delivered_tokens = self.usage["completion_tokens"]
+        return self.num_relayed, self.usage
+
+    def rewind(self, state: tuple[int, dict[str, Any] | None]) -> None:
+        """Back to what had left the gateway when the client was cut: what was written after it was
+        thrown away by the cut's abort, and is not billed."""
+        self.num_relayed, self.usage = state
+        call = self._call
+        call.prompt_usage = self.usage
+        call.delivered_tokens = self.usage["completion_tokens"] if self.usage is not None else 0
 
     def cut(self, num_prompt_tokens: Callable[[], int]) -> None:
         """The client went away. Without any usage from the upstream, what reached the client is
@@ -372,15 +386,17 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(ttft)
         response = await start_event_stream(request, _headers(call, forwarded))
         call.headers_sent = True
-        out = ClientStream(request, response, request.config_dict[CONFIG].stream_write_timeout_s)
+        timeout_s = request.config_dict[CONFIG].stream_write_timeout_s
+        out = ClientStream[tuple[int, dict[str, Any] | None]](request, response, timeout_s, (0, None))
         try:
             while chunk is not None:
                 data = relay.chunk(chunk)
                 if data:
                     await out.write(data)
-                relay.sent()
+                out.mark(relay.sent())
                 chunk = await anext(events, None)
         except (asyncio.CancelledError, ConnectionResetError):
+            relay.rewind(out.delivered())
             relay.cut(lambda: _num_prompt_tokens(request, call, forwarded))
             # Its own task: the handler is being cancelled, the correction must still land.
             await asyncio.shield(asyncio.ensure_future(settle_token_limit(request, call, forwarded)))

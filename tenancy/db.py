@@ -82,9 +82,15 @@ def _private_sqlite_file(url: str) -> None:
             file.chmod(SQLITE_FILE_MODE)
 
 
+# PostgreSQL ends a session of ours left idle inside a transaction this long (a write abandoned past its
+# deadline, a bug): an open usage write holds the per-request export back (tenancy.write_order).
+IDLE_IN_TRANSACTION = {"idle_in_transaction_session_timeout": "60s"}
+
+
 def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine for ``url``; SQLite gets foreign keys, WAL and a busy timeout on every connection,
-    and its file is owner-only (0600)."""
+    and its file is owner-only (0600). PostgreSQL (asyncpg) sessions get ``IDLE_IN_TRANSACTION`` unless
+    ``connect_args["server_settings"]`` sets it."""
     if is_sqlite(url):
         _private_sqlite_file(url)
         engine = create_async_engine(url, **kwargs)
@@ -94,6 +100,10 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 5)
+    if make_url(url).get_driver_name() == "asyncpg":
+        connect_args = dict(kwargs.get("connect_args", {}))
+        settings = {**IDLE_IN_TRANSACTION, **connect_args.get("server_settings", {})}
+        kwargs["connect_args"] = {**connect_args, "server_settings": settings}
     return create_async_engine(url, **kwargs)
 
 

@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Select, Text, case, cast, func, literal, select, tuple_
+from sqlalchemy import ColumnElement, Select, case, func, literal, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenancy.models import UsageRecord
 from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_CLIENT_CANCELLED
+from tenancy.write_order import settled_below
 
 CANCELLED_OUTCOMES = (OUTCOME_CLIENT_CANCELLED, OUTCOME_CANCELLED_ESTIMATED)  # the client went away
 
@@ -331,13 +332,7 @@ class ExportPage:
     data: list[dict[str, Any]]
     next_cursor: str | None  # pass back as ``cursor`` for the next page (later records arrive after it)
     has_more: bool  # more records are waiting right now
-
-
-def _oldest_open_xact() -> ColumnElement:
-    """PostgreSQL: the oldest transaction id still running (server-wide), in the statement's snapshot. A
-    row not visible yet belongs to a transaction at or after it: every row below it is settled."""
-    xmin = func.pg_snapshot_xmin(func.pg_current_snapshot())
-    return select(cast(cast(xmin, Text), BigInteger)).scalar_subquery()
+    held_back: bool = False  # some wait for a usage write still open (see export_requests)
 
 
 async def export_requests(
@@ -354,28 +349,38 @@ async def export_requests(
     A consumer that follows the cursor sees every record once. PostgreSQL gives a row its id on insert
     and shows it on commit, so ids commit out of order (two replicas flushing at once, a timed-out insert
     that commits later): records come in the order of the transactions that wrote them (``xact_id``, then
-    id), and only those below every write transaction still open, whose records would come before them.
-    A record is thus held back while an older write transaction is open. SQLite serializes writes: id
-    order. Records replayed late from a spool are written late, so they come after the cursor too."""
+    id), and only those below every usage write still open, whose records would come before them
+    (``tenancy.write_order``: other transactions, in this database or any other, hold nothing back). A
+    record is thus held back while an older usage write is open; the page then has ``held_back`` and
+    ``has_more`` set, since it is not the end. SQLite serializes writes: id order. Records replayed late
+    from a spool are written late, so they come after the cursor too."""
     after = parse_cursor(cursor)
     u = UsageRecord
-    position = tuple_(u.xact_id, u.id)
     query = select(u.id, u.xact_id, *(getattr(u, name) for name in EXPORT_FIELDS))
-    query = query.where(position > tuple_(literal(after[0]), literal(after[1])))
-    async with sessionmaker() as session:
-        if session.bind is not None and session.bind.dialect.name == "postgresql":
-            query = query.where(u.xact_id < _oldest_open_xact())
+    query = query.where(tuple_(u.xact_id, u.id) > tuple_(literal(after[0]), literal(after[1])))
     if tenant_id is not None:
         query = query.where(u.tenant_id == tenant_id)
     if start is not None:
         query = query.where(u.created_hour >= _hour(start))
     if end is not None:
         query = query.where(u.created_hour < _hour(end))
-    rows = await _fetch(sessionmaker, query.order_by(u.xact_id, u.id).limit(limit + 1))
+    bound = None
+    async with sessionmaker() as session:  # its own transaction: the query's snapshot comes after it
+        if session.bind is not None and session.bind.dialect.name == "postgresql":
+            bound = await settled_below(session)
+    settled = query if bound is None else query.where(u.xact_id < bound)
+    rows = await _fetch(sessionmaker, settled.order_by(u.xact_id, u.id).limit(limit + 1))
     more = len(rows) > limit
     rows = rows[:limit]
+    held_back = not more and bound is not None and await _any(sessionmaker, query.where(u.xact_id >= bound))
     data = await asyncio.to_thread(lambda: [_export_row(row) for row in rows])  # off the event loop
-    return ExportPage(data=data, next_cursor=_export_cursor(rows[-1]) if rows else cursor, has_more=more)
+    next_cursor = _export_cursor(rows[-1]) if rows else cursor
+    return ExportPage(data=data, next_cursor=next_cursor, has_more=more or held_back, held_back=held_back)
+
+
+async def _any(sessionmaker: async_sessionmaker[AsyncSession], query: Select) -> bool:
+    async with sessionmaker() as session:
+        return (await session.execute(query.limit(1))).first() is not None
 
 
 def _export_cursor(row: Any) -> str:

@@ -41,7 +41,9 @@ T = TypeVar("T")
 
 
 async def insert_usage(sessionmaker: async_sessionmaker[AsyncSession], events: Iterable[UsageEvent]) -> None:
-    """Insert records, skipping request ids already present (idempotent)."""
+    """Insert records, skipping request ids already present (idempotent). On PostgreSQL the INSERT is its
+    transaction's first statement, so the transaction gets its id (the records' ``xact_id``) while it
+    holds its lock on ``usage_records``: what the export's bound relies on (``tenancy.write_order``)."""
     rows = [event.to_row() for event in events]
     if not rows:
         return

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.eviction import BlockId, BlockMeta, make_policy
+from policies.fair_share import max_min_shares
 from policies.hashing import BlockHash
 
 
@@ -176,16 +177,9 @@ class BlockManager:
         return self.reserved_blocks.get(namespace_id, 0)
 
     def _grant_reservations(self) -> None:
-        """Share ``max_reserved_blocks`` max-min fairly (water-filling, smallest requests first; the
-        division's remainder goes to the largest) and report the grants that changed."""
-        granted: dict[str, int] = {}
-        left = self.max_reserved_blocks
-        asks = sorted(self.requested_blocks.items(), key=lambda item: (item[1], item[0]))
-        for k, (namespace_id, asked) in enumerate(asks):
-            share = min(asked, left // (len(asks) - k))
-            left -= share
-            if share:
-                granted[namespace_id] = share
+        """Share ``max_reserved_blocks`` max-min fairly (``max_min_shares``) and report the grants that
+        changed."""
+        granted = max_min_shares(self.requested_blocks, self.max_reserved_blocks)
         before, self.reserved_blocks = self.reserved_blocks, granted
         changed = [(ns, granted.get(ns, 0)) for ns in sorted(before.keys() | granted.keys())]
         changed = [(ns, n) for ns, n in changed if n != before.get(ns, 0)]

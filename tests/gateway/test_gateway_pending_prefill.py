@@ -30,6 +30,23 @@ async def test_pending_prefill_tokens_follow_each_request_until_its_first_token(
         index, pool = client.app[PREFIX_INDEX], client.app[WORKER_POOL]
         await wait_until(lambda: url in index.workers and pool.workers[url].healthy)
         state = pool.workers[url]
+        # What the gateway counts pending at the moment it sends each request: read inside the client's
+        # calls, so a fast prefill on a loaded machine cannot slip between two polls of the test.
+        seen: list[int] = []
+        hold = asyncio.Event()
+        hold.set()
+        generate, generate_stream = state.client.generate, state.client.generate_stream
+
+        async def counted_generate(payload):
+            seen.append(state.pending_prefill_tokens)
+            await hold.wait()
+            return await generate(payload)
+
+        def counted_stream(payload):
+            seen.append(state.pending_prefill_tokens)
+            return generate_stream(payload)
+
+        state.client.generate, state.client.generate_stream = counted_generate, counted_stream
         sdk = AsyncOpenAI(
             base_url=str(client.make_url("/v1")),
             api_key=(await create_tenant(client))["api_key"],
@@ -39,30 +56,27 @@ async def test_pending_prefill_tokens_follow_each_request_until_its_first_token(
         prompt = [rng.randrange(1, 200) for _ in range(40 * BLOCK + 5)]
 
         # Cold, not streamed: the whole prompt is pending until the answer.
-        answer = asyncio.ensure_future(
-            sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-        )
-        await wait_until(lambda: state.in_flight == 1, timeout_s=30)
-        assert state.pending_prefill_tokens == len(prompt)
-        await answer
+        await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert seen == [len(prompt)]
         assert (state.in_flight, state.pending_prefill_tokens) == (0, 0)
 
         # Warm, streamed: only what the index does not show cached there, until the first token.
         await wait_until(lambda: len(index.workers[url].blocks) >= 40)
-        stream = asyncio.ensure_future(
-            sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        chunks = await sdk.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
         )
-        await wait_until(lambda: state.in_flight == 1, timeout_s=30)
-        assert state.pending_prefill_tokens == 5
-        chunks = await stream
+        assert seen[1:] == [5]
         async for _ in chunks:
             assert state.pending_prefill_tokens == 0  # the gateway took it off before passing the token on
         assert (state.in_flight, state.pending_prefill_tokens) == (0, 0)
 
-        # A client that goes away before its first token leaves nothing pending.
+        # A client that goes away before its first token (held before the worker is called) leaves nothing.
+        hold.clear()
         other = [rng.randrange(1, 200) for _ in range(50 * BLOCK)]
         gone = asyncio.ensure_future(sdk.completions.create(model=MODEL, prompt=other, max_tokens=1))
-        await wait_until(lambda: state.pending_prefill_tokens == len(other), timeout_s=30)
+        await wait_until(lambda: len(seen) == 3, timeout_s=30)
+        assert seen[2] == state.pending_prefill_tokens == len(other)
         gone.cancel()
         await wait_until(lambda: (state.in_flight, state.pending_prefill_tokens) == (0, 0), timeout_s=30)
+        hold.set()
         await sdk.close()

@@ -153,13 +153,14 @@ async def test_n_counts_n_concurrent_requests(aiohttp_client, sqlite_url, tmp_pa
 
 async def test_local_limiter_refund():
     limiter = LocalRateLimiter(window_s=60)
-    assert limiter.check_at("t", 3, 1, now=0).allowed and limiter.check_at("t", 3, 1, now=1).allowed
-    assert not limiter.check_at("t", 3, 2, now=1).allowed
-    await limiter.refund("t", 1)  # gives back the newest unit
+    assert limiter.check_at("t", 3, 1, now=0).allowed
+    second = limiter.check_at("t", 3, 1, now=1)
+    assert second.allowed and not limiter.check_at("t", 3, 2, now=1).allowed
+    limiter.refund_at("t", 1, second.counted, now=1)  # gives back the second check's unit
     assert limiter.check_at("t", 3, 2, now=2).remaining == 0
     assert limiter.check_at("t", 3, 1, now=60.5).allowed  # the hit at 0 left the window, the one at 1 not
     assert not limiter.check_at("t", 3, 1, now=60.5).allowed
-    await limiter.refund("nobody", 5)  # nothing counted: nothing to give back
+    await limiter.refund("nobody", 5, second.counted)  # nothing counted: nothing to give back
     assert limiter.check_at("nobody", 3, 3, now=2).allowed
 
 
@@ -180,14 +181,15 @@ async def test_a_refused_n_counts_nothing_on_either_limiter(limiter):
     key, gate = requests_key(tenant.tenant_id), AdmissionGate(max_in_flight=0)
     await in_one_window()
     assert (await limiter.check(key, 2)).allowed
-    assert (await limiter.check(key, 2)).allowed  # the n=2 request enters with its first unit
+    first = await limiter.check(key, 2)  # the n=2 request enters with its first unit
+    assert first.allowed
     gate.enter(tenant.tenant_id, None)
     with pytest.raises(RateLimited):
-        await admit_choices(gate, limiter, tenant, 2, {})
+        await admit_choices(gate, limiter, tenant, 2, {}, first.counted)
     gate.leave(tenant.tenant_id, 1)
     last = await limiter.check(key, 2)
     assert last.allowed and last.remaining == 0  # 1 served + this one
     assert not (await limiter.check(key, 2)).allowed
     assert not (await limiter.check(key, 2, 2)).allowed  # refused checks of any cost count nothing ...
-    await limiter.refund(key, 1)
+    await limiter.refund(key, 1, last.counted)
     assert (await limiter.check(key, 2)).allowed  # ... so a refund frees a unit

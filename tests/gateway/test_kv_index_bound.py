@@ -137,3 +137,48 @@ def test_without_a_reported_capacity_the_default_bound_holds(monkeypatch):
     for malformed in ({"L1": "many"}, {"L1": -1}, [1, 2], True):
         with pytest.raises(ValueError):
             capacity_bound(malformed)
+
+
+def _tier_batch(seq: int, tier_id, hashes: list[str], ttl_s=TTL_S, worker_id: str = "w1") -> dict:
+    batch = _batch(seq, hashes, medium="remote")
+    batch["worker_id"] = worker_id
+    batch["remote_tier"] = {"id": tier_id, "ttl_s": ttl_s, "capacity_blocks": 1000}
+    return batch
+
+
+def test_one_worker_keeps_the_entries_of_one_redis_tier_at_a_time():
+    bound = capacity_bound(1000)
+    index = PrefixIndex(clock=Clock())
+    for seq in range(1, 11):  # a hostile worker names a new tier id in each batch, each one filled
+        index.apply("http://w1", _tier_batch(seq, f"tier-{seq}", _hashes(bound), ttl_s=1e9))
+    # Before: every id kept its own capped dict: 10 tiers, 10 x bound entries (20 x 20,000 in review r9).
+    assert list(index.shared) == ["tier-10"] and len(index.shared["tier-10"]) == bound
+    index.drop("http://w1")  # kept for its url (a restarted worker finds what it wrote), still one tier
+    assert list(index.shared) == ["tier-10"]
+    index.apply("http://w1", _tier_batch(1, "tier-11", []) | {"worker_id": "w1-restarted"})
+    assert "tier-10" not in index.shared and "tier-10" not in index._shared_max
+
+
+def test_a_redis_tier_stays_while_another_worker_names_it():
+    index = PrefixIndex(clock=Clock())
+    kept = _hashes(10)
+    index.apply("http://w1", _tier_batch(1, "tier-1", kept))
+    index.apply("http://w2", _tier_batch(1, "tier-1", [], worker_id="w2"))
+    index.drop("http://w1")
+    assert index.match("http://w2", [bytes.fromhex(kept[0])], ["t-a"]).num_blocks == 1
+    index.apply("http://w2", _tier_batch(2, "tier-2", [], worker_id="w2"))  # w2 moved to another Redis
+    assert "tier-1" in index.shared  # still held for w1's url
+    index.apply("http://w1", _tier_batch(1, "tier-2", [], worker_id="w1-restarted"))  # and w1 too
+    assert list(index.shared) == [] and "tier-1" not in index._shared_max
+
+
+def test_a_reported_redis_ttl_is_clamped():
+    clock = Clock()
+    index = PrefixIndex(clock=clock, max_remote_ttl_s=600.0)
+    index.apply("http://w1", _tier_batch(1, "tier-1", _hashes(100), ttl_s=1e9))
+    clock.now += 601  # before: kept for 1e9 s, as the worker said
+    index.apply("http://w1", _tier_batch(2, "tier-1", []))
+    assert "tier-1" not in index.shared
+    for tier_id, ttl_s in ((["x"], TTL_S), ("x" * 129, TTL_S), ("tier-1", float("nan")), ("tier-1", -1.0)):
+        with pytest.raises(ValueError):  # a malformed batch: the consumer drops the worker
+            PrefixIndex().apply("http://w1", _tier_batch(1, tier_id, _hashes(1), ttl_s=ttl_s))

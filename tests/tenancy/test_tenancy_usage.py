@@ -242,8 +242,7 @@ async def test_per_request_export_pages_with_a_cursor(sqlite_url):
 
 
 async def _follow_export(sessionmaker, cursor: str | None, wanted: int) -> tuple[list[str], str | None]:
-    """The request ids the export hands out after ``cursor`` until ``wanted`` came (or 10 s passed: a
-    write transaction of another test on the same PostgreSQL server holds pages back a moment)."""
+    """The request ids the export hands out after ``cursor`` until ``wanted`` came (or 10 s passed)."""
     seen: list[str] = []
     deadline = time.monotonic() + 10
     while len(seen) < wanted and time.monotonic() < deadline:
@@ -258,7 +257,7 @@ async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_ur
     """PostgreSQL takes a row's id when it is inserted and shows the row when its transaction commits:
     two replicas flushing at once (or a timed-out insert that commits later) commit out of id order.
     A consumer following the cursor past a later id never saw the earlier one (review r6 #3). The
-    export now hands out records only below every write transaction still open, in the order of
+    export now hands out records only below every usage write still open, in the order of
     their transactions, so it holds the later record back until the earlier one commits."""
     engine = create_engine(pg_url)
     sessionmaker = create_sessionmaker(engine)
@@ -266,13 +265,16 @@ async def test_the_export_cursor_never_passes_a_record_still_being_written(pg_ur
         await slow.execute(insert(UsageRecord).values(event("slow_a").to_row()))
         await insert_usage(sessionmaker, [event("fast_b")])  # replica B: id 2, committed
         early = await export_requests(sessionmaker)
-        assert early.data == [] and not early.has_more  # fast_b waits for slow_a's transaction
+        assert early.data == [] and early.has_more and early.held_back  # fast_b waits for slow_a's
         await slow.commit()
     seen, cursor = await _follow_export(sessionmaker, early.next_cursor, 2)
     assert seen == ["slow_a", "fast_b"]
     # The other interleaving: C's transaction began writing before D took the lower id and committed
     # late: C's record comes first (its transaction is older), D's once it commits, none is skipped.
+    # C's INSERT took its lock on usage_records, then its transaction id (tenancy.write_order), and was
+    # slow to take its row id: C is older, its record's id higher.
     async with sessionmaker() as older, sessionmaker() as later:
+        await older.execute(text("LOCK TABLE usage_records IN ROW EXCLUSIVE MODE"))
         await older.execute(text("SELECT pg_current_xact_id()"))  # older's transaction id comes first
         await later.execute(insert(UsageRecord).values(event("later_d").to_row()))
         await older.execute(insert(UsageRecord).values(event("older_c").to_row()))

@@ -91,14 +91,15 @@ def test_the_tier_stays_within_its_budget_after_a_restart(tmp_path):
 
 
 def test_a_write_that_finds_no_room_is_refused_not_written_past_the_budget(tmp_path):
-    file_bytes = _file_bytes(tmp_path)
-    tier = _tier(tmp_path / "kv", 4 * file_bytes)
-    for owner in ("t-d1", "t-d2"):  # two dedicated owners, each holding its whole reservation
-        tier.set_reservation(owner, 2 * file_bytes)
-        tier.write(_chain(1 if owner == "t-d1" else 2, 4, owner))
-    assert len(tier.files) == 4
+    file_bytes = _file_bytes(tmp_path)  # of a two-block file; a one-block file is about half of it
+    budget = 7 * file_bytes // 5
+    tier = _tier(tmp_path / "kv", budget)
+    tier.set_reservation("t-d1", 4 * file_bytes)  # a dedicated owner: granted the disk's reservable half
+    assert tier.reserved_bytes == {"t-d1": budget // 2}
+    assert tier.write(_chain(1, 1, "t-d1")) == 1  # one file, within its reservation
+    # Another owner's two-block file fits only by evicting that file: refused.
     assert tier.write(_chain(3, 2, "t-x")) == 0
-    assert tier.num_bytes <= 4 * file_bytes and tier.stats()["no_room_total"] == 1
+    assert tier.num_bytes <= budget and tier.stats()["no_room_total"] == 1
 
 
 def _long_chain(count: int, block_size: int) -> list[DemotedBlock]:

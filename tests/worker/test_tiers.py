@@ -203,6 +203,25 @@ def test_redis_quota_partition_protects_a_dedicated_namespace(kv_redis_url):
     assert tier.get_run(["t-dedicated"], hashes[:1], [list(range(16))])[0] == []
 
 
+def test_redis_quotas_share_half_the_budget_and_a_shrunk_partition_is_trimmed(kv_redis_url):
+    tier = _remote_tier(kv_redis_url, b"quota-shrink-test" * 2, budget_bytes=20 * 9000)
+    tier.set_reservation("t-a", 10 * 9000)  # half the budget: granted whole
+    assert tier._quotas == {"t-a": 10 * 9000} and tier._accounting("t-x")[1] == 10 * 9000
+    tier.put([_demoted("t-a", i) for i in range(9)])
+    part_bytes = tier._partition("t-a")[2]
+    assert int(tier.client.get(part_bytes)) > 5 * 9000
+    tier.set_reservation("t-b", 10 * 9000)  # a second dedicated owner: the half is split between them
+    assert tier._quotas == {"t-a": 5 * 9000, "t-b": 5 * 9000}
+    assert tier._accounting("t-x")[1] == 10 * 9000  # the shared LRU keeps the other half
+    tier.put([_demoted("t-b", 100)])  # the next write trims A's partition to its new quota
+    assert int(tier.client.get(part_bytes)) <= 5 * 9000
+    assert 0 < len(_held(tier, "t-a", range(9))) < 9
+    tier.set_reservation("t-a", 0)  # no reservation any more: the partition is emptied, B gets the half
+    assert tier._quotas == {"t-b": 10 * 9000}
+    tier.put([_demoted("t-x", 200)])
+    assert int(tier.client.get(part_bytes)) == 0 and _held(tier, "t-a", range(9)) == []
+
+
 def _remote_tier(url: str, fingerprint: bytes, budget_bytes: int):
     import torch
 

@@ -30,6 +30,7 @@ from typing import BinaryIO
 import torch
 
 from policies.eviction import BlockId, BlockMeta, make_policy
+from policies.fair_share import max_min_shares
 from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
@@ -164,7 +165,8 @@ class DiskTier:
         self.pause_after_error_s = pause_after_error_s
         self.cipher = cipher  # entries sealed per namespace (AES-GCM) when set
         self.min_free_bytes = min_free_bytes  # the tier counts the disk as full below this much free space
-        self.reserved_bytes: dict[str, int] = {}  # namespace -> bytes protected from other owners
+        self.requested_bytes: dict[str, int] = {}  # namespace -> bytes its reservation asks for
+        self.reserved_bytes: dict[str, int] = {}  # namespace -> bytes protected from other owners (granted)
         self._bytes_by_ns: Counter[str] = Counter()
         self.block_payload_bytes = self.codec.payload_bytes(block_shape, dtype)
         capacity_files = max(16, budget_bytes // max(1, self.block_payload_bytes * max_blocks_per_file // 2))
@@ -429,12 +431,16 @@ class DiskTier:
         return len(run)
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
-        """Protect up to ``num_bytes`` of ``namespace_id``'s files from other owners' writes."""
+        """Ask to protect up to ``num_bytes`` of ``namespace_id``'s files from other owners' writes (0: no
+        reservation any more). The grants (``reserved_bytes``) are max-min fair shares of the reservable
+        half of the budget among the owners asking: together they never exceed ``budget_bytes // 2``, so
+        owners without a reservation always keep at least half of the disk."""
         with self._lock:
             if num_bytes > 0:
-                self.reserved_bytes[namespace_id] = min(num_bytes, self.budget_bytes // 2)
+                self.requested_bytes[namespace_id] = num_bytes
             else:
-                self.reserved_bytes.pop(namespace_id, None)
+                self.requested_bytes.pop(namespace_id, None)
+            self.reserved_bytes = max_min_shares(self.requested_bytes, self.budget_bytes // 2)
 
     def _evictable(self, file_id: int, writer: str) -> bool:
         info = self.files.get(file_id)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import redis
 import torch
 
+from policies.fair_share import max_min_shares
 from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
 from worker.tiers.at_rest import AtRestCipher
@@ -63,6 +64,23 @@ for i = 1, #KEYS, 2 do
 end
 return kept
 """
+_TRIM_SCRIPT = """
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local evicted = {}
+while total > tonumber(ARGV[1]) do
+  local victim = redis.call('ZPOPMIN', KEYS[1], 1)[1]
+  if victim == nil then break end
+  local size = tonumber(redis.call('HGET', KEYS[2], victim)) or 0
+  redis.call('HDEL', KEYS[2], victim)
+  redis.call('DEL', victim)
+  total = redis.call('DECRBY', KEYS[3], size)
+  evicted[#evicted + 1] = victim
+end
+return evicted
+"""
+# A quota partition whose quota shrank (another dedicated owner asked) or went is trimmed to its new quota
+# (0: emptied) before this worker's next write, as the put script trims: oldest first.
+
 # A read refreshes the TTL and LRU rank of the run it found, in order, up to the first key that is gone
 # (purged or evicted since the read): a vanished key is never booked in the LRU again nor announced.
 
@@ -119,10 +137,14 @@ class RemoteTier:
         )
         self._put = self.client.register_script(_PUT_SCRIPT)
         self._touch = self.client.register_script(_TOUCH_SCRIPT)
+        self._trim = self.client.register_script(_TRIM_SCRIPT)
         # Held from a read's TTL refresh to its "stored" events, and from a purge's delete to its "removed"
         # events: this worker never announces a block stored after it announced its purge.
         self._announce_lock = threading.Lock()
-        self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition
+        self._requested: dict[str, int] = {}  # dedicated namespace -> bytes its reservation asks for
+        self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition (granted)
+        self._shrunk: set[str] = set()  # partitions to trim to their (smaller) quota before the next write
+        self._quota_lock = threading.Lock()
         self._down_until = 0.0
         self.counters: Counter[str] = Counter()
         self._bound_events()
@@ -166,22 +188,51 @@ class RemoteTier:
             self.events.removed(_hash_of(key) for key in keys)
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
-        """Give a dedicated owner its own LRU partition of ``num_bytes``: others' writes never evict it."""
-        if self._quotas.get(namespace_id, 0) == max(0, num_bytes):
+        """Ask for a dedicated owner's own LRU partition of up to ``num_bytes`` (0: none any more), which
+        others' writes never evict.
+
+        The quotas granted are max-min fair shares of half the budget among the owners asking (this
+        worker's view), and the shared LRU keeps the rest: quotas and shared limit together never exceed
+        ``budget_bytes``. A partition whose quota shrinks or goes is trimmed before the next write.
+        """
+        if self._requested.get(namespace_id, 0) == max(0, num_bytes):
             return  # (every request of a dedicated tenant sets it again)
         if num_bytes > 0:
-            self._quotas[namespace_id] = num_bytes
+            self._requested[namespace_id] = num_bytes
         else:
-            self._quotas.pop(namespace_id, None)
+            self._requested.pop(namespace_id, None)
+        with self._quota_lock:
+            before, self._quotas = self._quotas, max_min_shares(self._requested, self.budget_bytes // 2)
+            self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
         self._bound_events()
 
+    def _partition(self, namespace_id: str) -> list[str]:
+        part = f"{self.prefix}:~quota:{namespace_id}"
+        return [f"{part}:lru", f"{part}:sizes", f"{part}:bytes"]
+
     def _accounting(self, namespace_id: str) -> tuple[list[str], int]:
-        """(LRU set, sizes hash, byte counter) keys and the budget that a namespace's blocks count against."""
+        """(LRU set, sizes hash, byte counter) keys and the budget that a namespace's blocks count against:
+        its partition's quota, or for the others the shared LRU's limit (the budget less the quotas)."""
         quota = self._quotas.get(namespace_id)
         if quota is None:
-            return [self._lru, self._sizes, self._total], self.budget_bytes
-        part = f"{self.prefix}:~quota:{namespace_id}"
-        return [f"{part}:lru", f"{part}:sizes", f"{part}:bytes"], quota
+            return [self._lru, self._sizes, self._total], self.budget_bytes - sum(self._quotas.values())
+        return self._partition(namespace_id), quota
+
+    def _trim_shrunk(self) -> list[bytes]:
+        """Trim the partitions whose quota shrank or went to their quota now; returns the keys evicted."""
+        with self._quota_lock:  # set_reservation runs on the engine thread, writes on the writer thread
+            pending, self._shrunk = self._shrunk, set()
+        evicted: list[bytes] = []
+        try:
+            for namespace_id in sorted(pending):
+                evicted += self._trim(
+                    keys=self._partition(namespace_id), args=[self._quotas.get(namespace_id, 0)]
+                )
+        except ERRORS:
+            with self._quota_lock:
+                self._shrunk |= pending  # trimmed again (a trim is idempotent) once Redis is back
+            raise
+        return evicted
 
     @property
     def available(self) -> bool:
@@ -200,6 +251,7 @@ class RemoteTier:
         payloads = self.codec.encode(torch.stack([b.data for b in blocks]))
         now_ms = int(time.time() * 1000)
         try:
+            trimmed = self._trim_shrunk() if self._shrunk else []
             pipe = self.client.pipeline(transaction=False)
             for block, data in zip(blocks, payloads, strict=True):
                 entry = encode_entry(
@@ -223,6 +275,7 @@ class RemoteTier:
             self._failed(exc)
             return 0
         self.counters["blocks_written_total"] += len(blocks)
+        evicted.append(trimmed)
         self.counters["blocks_evicted_total"] += sum(len(keys) for keys in evicted)
         if self.events is not None:
             for block in blocks:
