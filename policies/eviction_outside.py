@@ -6,11 +6,12 @@ of that list asks about every block before it: behind a prefix store those are m
 running requests (in use, or inner blocks of a chain in use), which the leader's shadow dropped long ago
 and the real cache can never drop while they run, so each eviction cost grew with the blocks in use.
 
-``OutsideLists`` numbers the entries in list order and keeps, per list, a heap of the entries that are
-leaves. Behind an owner that evicts leaves only (``EvictionPolicy.declare_leaf_only``) a block with a
-tracked child is never accepted, so the first accepted leaf of the heap is the first accepted block of
-the list: the same victim, asking about leaves only (the leaves still refused, one per running request,
-are asked again, as the leaf followers ask them). Behind a flat owner every entry counts as a leaf.
+``OutsideLists`` numbers the entries in list order and keeps a heap of the entries of the leader's
+list that are leaves (another list's heap is built when it is first searched, after a switch). Behind
+an owner that evicts leaves only (``EvictionPolicy.declare_leaf_only``) a block with a tracked child is
+never accepted, so the first accepted leaf of the heap is the first accepted block of the list: the
+same victim, asking about leaves only (the leaves still refused, one per running request, are asked
+again, as the leaf followers ask them). Behind a flat owner every entry counts as a leaf.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from policies.eviction_base import BlockId
 
 
 class OutsideLists:
-    """Ordered sets of block ids (``lists[k]``: id -> its number in list order) with a heap of leaves each.
+    """Ordered sets of block ids (``lists[k]``: id -> its number in list order); the one searched last has
+    a heap of its leaves.
 
     A heap entry ``(number, id)`` is live while ``id`` is in the list under that number and has no tracked
     child; a block is pushed again when it becomes a leaf. Callers test membership and delete through
