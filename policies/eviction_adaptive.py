@@ -14,7 +14,10 @@ to follow from the accesses it sees:
 - **The leader's shadow first.** Before asking the leader's follower, ``evict`` takes the real resident
   blocks the leader's shadow has already evicted, in the order it evicted them: after a switch the real
   cache drops what the new leader would not hold, instead of what its follower (which only watched the
-  old leader's choices) ranks last. With one leader all along there is no such block.
+  old leader's choices) ranks last. With one leader all along there is no such block that the real cache
+  can drop (the shadows do not know which blocks are in use). Behind a leaf-only owner only the lists'
+  leaves are asked about (``eviction_outside``): the same victim, at a cost that does not grow with the
+  blocks in use.
 - **Paired evidence.** The arms (three shadows and the real cache itself) see the same accesses, so
   they are compared on the accesses where exactly one of two arms hit (McNemar's test), decayed by half
   every ``half_life_factor`` × capacity accesses. Per-arm hit counts would hide a small, steady lead
@@ -41,6 +44,7 @@ from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_leaves import LeafARCPolicy, LeafLRUPolicy
 from policies.eviction_lru import LRUPolicy
+from policies.eviction_outside import OutsideLists
 from policies.eviction_prefix import PrefixAwarePolicy
 from policies.eviction_shadow import ARCShadow, LRUShadow, PolicyShadow, Shadow, walk_hits
 
@@ -84,9 +88,9 @@ class AdaptivePolicy(EvictionPolicy):
         # and, last, the real cache. Counts are kept in units of 1 / _weight so decay costs nothing.
         self._wins = [[0.0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
         self._weight = 1.0
-        # _outside[i]: real resident blocks shadow i does not hold, in the order it dropped them (the
+        # _outside.lists[i]: real resident blocks shadow i does not hold, in the order it dropped them (the
         # real cache evicts the leader's first); unused with sampled shadows, which see no whole cache.
-        self._outside: list[dict[BlockId, None]] = [{} for _ in _EXPERTS]
+        self._outside = OutsideLists(len(_EXPERTS))
 
     @property
     def leader_name(self) -> str:
@@ -100,6 +104,8 @@ class AdaptivePolicy(EvictionPolicy):
             raise RuntimeError("declare_leaf_only() comes before the first insert")
         capacity = max(self.capacity_blocks, 1)
         self._followers = [expert(capacity) for expert in _LEAF_ONLY_EXPERTS]
+        if self.sample_rate == 1:  # sampled shadows keep no lists
+            self._outside.declare_leaf_only()
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         for follower in self._followers:
@@ -108,6 +114,7 @@ class AdaptivePolicy(EvictionPolicy):
     def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         for follower in self._followers:
             follower.on_insert(block_id, meta, now)
+        self._outside.link(block_id, meta.parent)
         self._meta[block_id] = meta
         self._observe(block_id, meta, now, hit=False)
 
@@ -180,7 +187,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def evict(self, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         followers = self._followers
-        victim = next((block for block in self._outside[self.leader] if can_evict(block)), None)
+        victim = self._outside.pop_first_evictable(self.leader, can_evict)
         if victim is not None:  # the leader's shadow already dropped it
             self._forget(victim)
             for follower in followers:
@@ -207,8 +214,7 @@ class AdaptivePolicy(EvictionPolicy):
 
     def _forget(self, block_id: BlockId) -> None:
         self._meta.pop(block_id, None)
-        for outside in self._outside:
-            outside.pop(block_id, None)
+        self._outside.forget(block_id)
 
     def _skips(self, block_id: BlockId) -> bool:
         """Whether sampled shadows leave this id out (they see one id in ``sample_rate``)."""
@@ -236,11 +242,11 @@ class AdaptivePolicy(EvictionPolicy):
             if sampled:  # a sampled shadow's contents are not the real cache's
                 victims.clear()
                 continue
-            outside = self._outside[index]
+            outside = self._outside.lists[index]
             if victims:
                 for victim in victims:
                     if victim in resident:
-                        outside[victim] = None
+                        self._outside.add(index, victim)
                 victims.clear()
             held = shadow.parent_of
             for block_id in block_ids:
@@ -248,7 +254,7 @@ class AdaptivePolicy(EvictionPolicy):
                     if block_id in held:
                         del outside[block_id]
                 elif block_id not in held:  # the shadow had no room it could free
-                    outside[block_id] = None
+                    self._outside.add(index, block_id)
 
     def _tally(self, prefix_hit: bool, arc_hit: bool, lru_hit: bool, hit: bool) -> None:
         """Count one access's hits in the arms (the three shadows, then the real cache); maybe switch."""

@@ -127,13 +127,17 @@ class KVEventLog:
 
     def bound(self, medium: str, *, ttl_s: float, max_blocks: int) -> None:
         """Keep ``medium``'s blocks in the state (what snapshots send) only ``ttl_s`` after their last
-        ``stored`` event, and at most ``max_blocks`` of them: for a tier that drops blocks unannounced."""
+        ``stored`` event, and at most ``max_blocks`` of them: for a tier that drops blocks unannounced.
+
+        Called again (a tier's size changes with every dedicated grant), it only stores the new bound
+        and trims: the blocks are in ``_announced_s`` since the first call, which is the only one that
+        walks the state (blocks held before it count as announced then).
+        """
         with self._lock:
             self._bounds[medium] = StateBound(ttl_s=ttl_s, max_blocks=max(0, max_blocks))
-            announced = self._announced_s.setdefault(medium, OrderedDict())
-            now = self._clock()
-            for block_hash in self._state.get(medium, {}):  # held before the bound: announced now
-                announced.setdefault(block_hash, now)
+            if medium not in self._announced_s:
+                now = self._clock()
+                self._announced_s[medium] = OrderedDict.fromkeys(self._state.get(medium, {}), now)
             self._trim(medium, slack=STATE_SLACK)
 
     def _trim(self, medium: str, *, slack: int = 1) -> None:

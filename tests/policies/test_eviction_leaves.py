@@ -185,3 +185,12 @@ def test_both_follower_kinds_make_the_recorded_decisions(case):
     # worker replays; the list walk must still make the same decisions, switches included.
     name, fraction, mode, _, digest, num_leaders = case
     assert _digest(name, fraction, mode, _ListWalk) == (digest, num_leaders)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("follower", [False, True])
+def test_the_default_evicts_what_its_list_walk_evicts(seed, follower):
+    # The leader's shadow-first lists too: behind a leaf-only owner the default asks about leaves only
+    # (it used to ask about every block its leader's shadow had dropped, in use or inner, per victim).
+    leafy = AdaptivePolicy(40)
+    assert _drive(_ListWalk(40), leafy, capacity=40, seed=seed, follower=follower) > 500

@@ -14,7 +14,7 @@ from policies.hashing import block_hashes
 from tests.worker.conftest import prompt_of, run, segments
 from tests.worker.test_tiers import BLOCK_BYTES, push_out_of_l1
 from worker.engine import Engine
-from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, KVEventLog, TierEvents
+from worker.kv_events import BLOCK_REMOVED, BLOCK_STORED, STATE_SLACK, KVEventLog, TierEvents
 from worker.tiers.disk import DiskTier
 from worker.tiers.entry import BlockRecord, encode_entry
 from worker.tiers.host import DemotedBlock
@@ -384,3 +384,33 @@ def test_blocks_another_worker_evicted_leave_the_workers_state(kv_redis_url):
     held = _snapshot_of(first_log)
     assert held == _in_redis(first, "t-a") and held, "the snapshot must be what Redis holds of t-a"
     assert held.isdisjoint(b.record.block_hash for b in early)
+
+
+class _CountingBlocks(dict):
+    """A tier's KV-event state that counts the blocks a walk over it visits."""
+
+    visits = 0
+
+    def __iter__(self):
+        for key in super().__iter__():
+            self.visits += 1
+            yield key
+
+
+def test_a_grant_change_does_not_walk_the_tiers_whole_state(kv_redis_url):
+    """r10 #2: every change of a dedicated tenant's grant re-bounds the Redis tier's state, and the bound
+    walked every block announced so far (on the engine thread, under the log's lock): 20 grant changes
+    with 20 000 blocks announced visited 400 000 of them."""
+    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 30, ttl_s=3600)
+    for i in range(20_000):  # what this worker wrote to Redis, announced
+        log.stored("remote", i.to_bytes(32, "little"), None, "t-x")
+    log._state["remote"] = blocks = _CountingBlocks(log._state["remote"])
+    for k in range(20):  # a dedicated tenant arrives: the others' grants shrink
+        remote.set_reservation(f"t-d{k}", (1 << 20) + k)
+    visits = blocks.visits
+    assert visits == 0 and len(_snapshot_of(log)) == 20_000
+    per_block = remote.codec.payload_bytes(remote.block_shape, remote.dtype)
+    remote.budget_bytes = 64 * per_block  # a smaller bound still trims the state at once
+    remote.set_reservation("t-d0", 0)
+    max_blocks = (remote.budget_bytes + sum(remote._quotas.values())) // per_block
+    assert len(log._state["remote"]) == STATE_SLACK * max_blocks < 20_000

@@ -7,12 +7,16 @@ import time
 
 import pytest
 import redis
+import torch
 
 import worker.engine as engine_mod
+from policies.hashing import BlockHash
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_tier_faults import SlowLink
 from tests.worker.test_tiers import BLOCK_BYTES, A, B
 from worker.purge_fence import PurgeFence
+from worker.tiers.entry import BlockRecord
+from worker.tiers.host import DemotedBlock
 
 
 def _blocks_of(engine, namespace_id: str) -> tuple[int, int]:
@@ -229,3 +233,39 @@ async def test_purging_one_tenant_does_not_stall_another_tenants_stream(make_eng
     assert not [f for f in (tmp_path / "kv").rglob("*.kv") if "t-a" in f.parts], "t-a files on disk"
     client = redis.Redis.from_url(kv_redis_url)
     assert not list(client.scan_iter(match=f"{engine.store.remote.prefix}:t-a:*")), "t-a blocks in Redis"
+
+
+async def test_purges_leave_no_record_on_a_quiet_worker(make_engine, tmp_path):
+    """r10 #3: each purge recorded its namespace for the demotion writer, forgotten only when the writer
+    took a chunk queued after it: a worker whose caches never spill to L3 kept one record per namespace
+    ever purged (200 purges, 200 records)."""
+    engine = make_engine(num_blocks=64, l2_bytes=1 << 20, l3_dir=tmp_path / "kv", l3_min_free_bytes=0)
+    await run(engine, "warm", prompt_of(1, 40), segs=A, params=greedy(1))
+    for k in range(200):  # tenants deleted over the worker's life (a new namespace id per epoch)
+        _, failed = await engine.purge(f"t-gone-{k}")
+        assert not failed, failed
+    await run(engine, "after", prompt_of(2, 40), segs=A, params=greedy(1))
+    assert engine.store._purged_writes == {}
+
+
+async def test_a_purge_is_forgotten_once_the_writes_queued_before_it_are_taken(make_engine, tmp_path):
+    """r10 #3: a purge made while writes were queued stays recorded (they must be filtered), and is
+    forgotten once the writer has taken them, without waiting for a write queued after it."""
+    engine = make_engine(num_blocks=64, l2_bytes=1 << 20, l3_dir=tmp_path / "kv", l3_min_free_bytes=0)
+    store = engine.store
+    await asyncio.to_thread(store.wait_for_writes)  # the writer idle, every count settled
+    block = DemotedBlock(
+        record=BlockRecord(
+            block_hash=BlockHash(b"q" * 32), parent_hash=None, token_ids=(1,) * store.block_size
+        ),
+        namespace_id="t-gone",
+        position=0,
+        data=torch.zeros(store.block_shape, dtype=store.dtype),
+    )
+    with store._chunk_written:  # the writer cannot filter a chunk meanwhile
+        store._enqueue_demotion([block])
+        store.purge_local("t-gone")
+        assert "t-gone" in store._purged_writes  # the queued chunk must still be filtered
+    await asyncio.to_thread(store.wait_for_writes)
+    assert store._purged_writes == {}
+    assert block.record.block_hash not in store.disk  # and it was: the purged block never reached L3

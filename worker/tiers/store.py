@@ -212,10 +212,12 @@ class TieredStore:
         self._writes: queue.Queue[tuple[int, list[DemotedBlock]] | None] = queue.Queue(maxsize=256)
         self.dropped_demotions = 0
         self._write_generation = 0  # bumped by every purge (engine thread); queued chunks carry it
-        # namespace -> write generation of its latest purge: the writer drops its blocks queued before
-        self._purged_writes: dict[str, int] = {}
+        # namespace -> (write generation of its latest purge, chunks queued before it): the writer drops
+        # its blocks queued before, and forgets the purge once it has taken those chunks
+        self._purged_writes: dict[str, tuple[int, int]] = {}
         # Guards ``_purged_writes`` and the chunk counts (never held across I/O); notified per chunk written.
         self._chunk_written = threading.Condition()
+        self._num_chunks_queued = 0  # chunks put on ``_writes`` (counted before the put: never < taken)
         self._num_chunks_taken = 0  # chunks the writer has filtered (the one being written included)
         self._num_chunks_written = 0
         self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
@@ -273,9 +275,13 @@ class TieredStore:
     def _enqueue_demotion(self, blocks: list[DemotedBlock]) -> None:
         if self.disk is None and self.remote is None:
             return
+        with self._chunk_written:
+            self._num_chunks_queued += 1
         try:
             self._writes.put_nowait((self._write_generation, blocks))
         except queue.Full:  # the disk is slower than eviction: it is a cache, drop rather than stall
+            with self._chunk_written:
+                self._num_chunks_queued -= 1
             self.dropped_demotions += len(blocks)
 
     def _write_loop(self) -> None:
@@ -301,13 +307,17 @@ class TieredStore:
     def _unpurged(self, generation: int, blocks: list[DemotedBlock]) -> list[DemotedBlock]:
         """The blocks of a chunk queued at ``generation`` whose namespace was not purged since (writer).
 
-        Chunks are queued in generation order (engine thread), so once one of ``generation`` is taken no
-        chunk queued before a purge of that generation or older is left: those purges are forgotten."""
+        Chunks are queued in generation order (engine thread), so once every chunk queued before a purge
+        is taken (or one of its generation or later) none of them is left: the purge is forgotten."""
         with self._chunk_written:
-            kept = [b for b in blocks if self._purged_writes.get(b.namespace_id, -1) <= generation]
-            for namespace_id in [ns for ns, g in self._purged_writes.items() if g <= generation]:
-                del self._purged_writes[namespace_id]
+            purged = self._purged_writes
+            kept = [b for b in blocks if purged.get(b.namespace_id, (-1, 0))[0] <= generation]
             self._num_chunks_taken += 1
+            taken = self._num_chunks_taken
+            for namespace_id in [
+                ns for ns, (g, before) in purged.items() if g <= generation or before <= taken
+            ]:
+                del purged[namespace_id]
         return kept
 
     # ---- prefetch (arrival) ------------------------------------------------------------------------
@@ -506,8 +516,9 @@ class TieredStore:
         L3 is ``purge_stored`` and Redis ``purge_remote``, off the engine thread, in that order."""
         if self.disk is not None or self.remote is not None:  # else nothing is ever queued
             self._write_generation += 1  # chunks queued from now on are not of the purge's past
-            with self._chunk_written:
-                self._purged_writes[namespace_id] = self._write_generation
+            with self._chunk_written:  # none queued but not taken (a quiet worker): nothing to filter
+                if self._num_chunks_queued > self._num_chunks_taken:
+                    self._purged_writes[namespace_id] = (self._write_generation, self._num_chunks_queued)
         return {"l2": self.l2.purge(namespace_id)}
 
     def purge_stored(self, namespace_id: str) -> dict[str, int]:
