@@ -66,9 +66,14 @@ async def test_near_miss_moves_a_request_to_the_similar_prompts_worker_within_it
     first = await complete(sdk, variant())
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     await wait_until(lambda: near_miss.num_remembered() == 1)  # remembered in the background
-    moved = [await complete(sdk, variant()) for _ in range(5)]
+    # A variant whose own exact route (the hash of its first 4 blocks) already is the first one's worker
+    # needs no move and gets no credit: about 1 in 3. So variants come until one was moved (5 all landing
+    # there by chance failed a CI run once), each reusing the shared blocks wherever it went.
+    moved = [await complete(sdk, variant())]
+    while not any(u["prefixgate"]["near_miss_tokens"] for u in moved) and len(moved) < 12:
+        moved.append(await complete(sdk, variant()))
     assert all(u["prompt_tokens_details"]["cached_tokens"] >= 3 * BLOCK for u in moved), moved
-    assert sum(u["prefixgate"]["near_miss_tokens"] for u in moved) >= 3 * BLOCK  # some moved for it
+    assert max(u["prefixgate"]["near_miss_tokens"] for u in moved) >= 3 * BLOCK  # one moved for it
 
     # Another near-miss tenant with the very same shared tokens: its namespace holds nothing similar
     # yet, so it is not moved to the first tenant's worker and reuses nothing.
