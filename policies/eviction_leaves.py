@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from policies.eviction_arc import ARCPolicy
+from policies.eviction_arc import ARCPolicy, adapt_to_ghost
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_lru import LRUPolicy
 
@@ -208,16 +208,11 @@ class LeafARCPolicy(_LeafLists):
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         self._ghost_hit = None
-        if block_id in self._b1:
-            delta = max(len(self._b2) / len(self._b1), 1.0)
-            self.target_t1_blocks = min(self.target_t1_blocks + delta, self.capacity_blocks)
-            del self._b1[block_id]
-            self._ghost_hit = (block_id, 1)
-        elif block_id in self._b2:
-            delta = max(len(self._b1) / len(self._b2), 1.0)
-            self.target_t1_blocks = max(self.target_t1_blocks - delta, 0.0)
-            del self._b2[block_id]
-            self._ghost_hit = (block_id, 2)
+        if block_id in self._b1 or block_id in self._b2:
+            self.target_t1_blocks, ghost = adapt_to_ghost(
+                self._b1, self._b2, self.target_t1_blocks, self.capacity_blocks, block_id
+            )
+            self._ghost_hit = (block_id, ghost)
 
     def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         if self._ghost_hit is None or self._ghost_hit[0] != block_id:
