@@ -33,7 +33,9 @@ BLOCK = 16
 URLS = ("http://w1", "http://w2", "http://w3")
 
 
-def test_a_dropped_placement_holds_no_follower_and_only_its_own_request_drops_it():
+def held_router():
+    """A KV-aware router with a 2 s leader hold on a settable clock (``now[0]``), and the request of a
+    given id for one head block on three calm workers: (router, now, request)."""
     now = [100.0]
     router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
     calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
@@ -47,6 +49,11 @@ def test_a_dropped_placement_holds_no_follower_and_only_its_own_request_drops_it
             request_id=request_id,
         )
 
+    return router, now, request
+
+
+def test_a_dropped_placement_holds_no_follower_and_only_its_own_request_drops_it():
+    router, now, request = held_router()
     leader, _ = router.choose_and_hold(request("leader"))
     now[0] += 0.5
     assert router.choose_and_hold(request("follower")) == (leader, 1.5)

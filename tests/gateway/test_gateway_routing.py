@@ -18,6 +18,7 @@ from gateway.routing import (
     _rank,
     cache_key_affinity,
 )
+from tests.gateway.test_gateway_refused_leader import held_router
 
 URLS = [f"http://w{i}:8081" for i in range(4)]
 
@@ -313,23 +314,11 @@ def test_kv_aware_places_a_cold_prefix_on_the_less_busy_of_its_two_workers():
 def test_a_leader_s_first_token_ends_its_followers_hold():
     """The gateway sees its leader's first token before the KV event announcing the head block: the
     followers waiting go then (``RequestPipeline.prefilled``), and later ones do not wait."""
-    now = [100.0]
-    router = KVAwareRouter(clock=lambda: now[0], leader_hold_s=2.0)
-    calm = [WorkerLoad(url=u, in_flight=0) for u in URLS]
-
-    def request(request_id: str) -> RouteRequest:
-        return RouteRequest(
-            affinity_key=b"k" * 16,
-            candidates=calm,
-            num_prompt_tokens=160,
-            head_block=b"h" * 32,
-            request_id=request_id,
-        )
-
+    router, now, request = held_router()
     leader, _ = router.choose_and_hold(request("leader"))
     now[0] += 0.5
     assert router.choose_and_hold(request("follower")) == (leader, 1.5)
-    other = next(url for url in URLS if url != leader)
+    other = next(w.url for w in request("x").candidates if w.url != leader)
     assert router.leader_prefilled(request("follower"), leader) is False  # only the leader's token counts
     assert router.leader_prefilled(request("leader"), other) is False  # retried elsewhere: not there
     assert router.choose_and_hold(request("follower-2")) == (leader, 1.5)
