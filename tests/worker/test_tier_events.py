@@ -178,19 +178,32 @@ def test_a_disk_restarted_with_a_smaller_budget_announces_only_the_files_it_keep
     assert set(index.workers["http://w"].blocks) == set(after.index)
 
 
-def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
-    log = KVEventLog()
+def _events_tier(
+    url: str,
+    *,
+    fingerprint: bytes = b"remote-event-state" * 2,
+    budget_bytes: int = 1 << 20,
+    ttl_s: float = 60,
+    capacity_events: int = 1 << 17,
+) -> tuple[RemoteTier, KVEventLog]:
+    """A Redis tier of ``fingerprint`` (each test its own: its keys apart) announcing to its own log."""
+    log = KVEventLog(capacity_events=capacity_events)
     remote = RemoteTier(
-        kv_redis_url,
-        fingerprint=b"no-blocks!" * 4,
+        url,
+        fingerprint=fingerprint,
         codec="none",
         block_shape=SHAPE,
         dtype=torch.float32,
-        budget_bytes=1 << 20,
-        ttl_s=60,
+        budget_bytes=budget_bytes,
+        ttl_s=ttl_s,
         timeout_s=1.0,
         events=TierEvents(log, "remote"),
     )
+    return remote, log
+
+
+def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
+    remote, _ = _events_tier(kv_redis_url, fingerprint=b"no-blocks!" * 4)
     (block,) = _blocks("t-a", 1, 1)
     key = remote.key("t-a", block.record.block_hash)
     empty = encode_entry(
@@ -210,19 +223,7 @@ def test_a_redis_entry_listing_no_blocks_is_a_miss_and_deleted(kv_redis_url):
 
 def test_redis_events_name_written_evicted_and_purged_blocks(kv_redis_url):
     def tier(budget_bytes: int, fingerprint: bytes = b"events-redis" * 3) -> tuple[RemoteTier, KVEventLog]:
-        log = KVEventLog()
-        remote = RemoteTier(
-            kv_redis_url,
-            fingerprint=fingerprint,
-            codec="none",
-            block_shape=SHAPE,
-            dtype=torch.float32,
-            budget_bytes=budget_bytes,
-            ttl_s=60,
-            timeout_s=1.0,
-            events=TierEvents(log, "remote"),
-        )
-        return remote, log
+        return _events_tier(kv_redis_url, fingerprint=fingerprint, budget_bytes=budget_bytes)
 
     entry_bytes = torch.Size(SHAPE).numel() * 4 + 2000  # payload and header of a one-block entry
     writer, log = tier(budget_bytes=6 * entry_bytes)
@@ -289,19 +290,7 @@ async def test_index_credits_redis_blocks_to_every_worker_sharing_the_redis(make
 
 def test_a_read_racing_a_purge_neither_rebooks_nor_reannounces_the_purged_blocks(kv_redis_url, monkeypatch):
     def tier() -> tuple[RemoteTier, KVEventLog]:
-        log = KVEventLog()
-        remote = RemoteTier(
-            kv_redis_url,
-            fingerprint=b"purge-race" * 4,
-            codec="none",
-            block_shape=SHAPE,
-            dtype=torch.float32,
-            budget_bytes=1 << 20,
-            ttl_s=60,
-            timeout_s=1.0,
-            events=TierEvents(log, "remote"),
-        )
-        return remote, log
+        return _events_tier(kv_redis_url, fingerprint=b"purge-race" * 4)
 
     purger, _ = tier()
     reader, reader_log = tier()
@@ -325,22 +314,6 @@ def test_a_read_racing_a_purge_neither_rebooks_nor_reannounces_the_purged_blocks
     assert not any(reader.client.exists(key) for key in keys)
 
 
-def _events_tier(url: str, *, budget_bytes: int, ttl_s: float) -> tuple[RemoteTier, KVEventLog]:
-    log = KVEventLog(capacity_events=16)  # a small ring: the state is read through a snapshot
-    remote = RemoteTier(
-        url,
-        fingerprint=b"remote-event-state" * 2,
-        codec="none",
-        block_shape=SHAPE,
-        dtype=torch.float32,
-        budget_bytes=budget_bytes,
-        ttl_s=ttl_s,
-        timeout_s=1.0,
-        events=TierEvents(log, "remote"),
-    )
-    return remote, log
-
-
 def _snapshot_of(log: KVEventLog) -> set[bytes]:
     """The Redis blocks a gateway that fell behind the ring is sent (a snapshot's pages)."""
     page = log.read(0, max_events=1 << 20).snapshot
@@ -356,7 +329,7 @@ def _in_redis(remote: RemoteTier, namespace_id: str) -> set[bytes]:
 def test_blocks_redis_expired_leave_the_workers_state(kv_redis_url):
     """r7 #4: 100 blocks Redis had expired by TTL stayed in the worker's state, re-announced by every
     snapshot (with a fresh TTL at the gateway), growing without bound in a long-running worker."""
-    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 24, ttl_s=2.0)
+    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 24, ttl_s=2.0, capacity_events=16)
     for seed in range(25):
         remote.put(_blocks("t-a", seed, 4))
     assert _snapshot_of(log) == _in_redis(remote, "t-a") and len(_in_redis(remote, "t-a")) == 100
@@ -372,8 +345,8 @@ def test_blocks_another_worker_evicted_leave_the_workers_state(kv_redis_url):
     """r7 #4: blocks another worker's writes evicted from the shared Redis stayed in this worker's state
     and snapshots (it only hears of the evictions its own writes cause)."""
     entry_bytes = torch.Size(SHAPE).numel() * 4 + 2000
-    first, first_log = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
-    second, _ = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, ttl_s=60)
+    first, first_log = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, capacity_events=16)
+    second, _ = _events_tier(kv_redis_url, budget_bytes=6 * entry_bytes, capacity_events=16)
     early = _blocks("t-a", 1, 4)
     first.put(early)
     for seed in range(2, 12):  # the second worker's writes evict the first's blocks, unannounced to it
@@ -401,7 +374,7 @@ def test_a_grant_change_does_not_walk_the_tiers_whole_state(kv_redis_url):
     """r10 #2: every change of a dedicated tenant's grant re-bounds the Redis tier's state, and the bound
     walked every block announced so far (on the engine thread, under the log's lock): 20 grant changes
     with 20 000 blocks announced visited 400 000 of them."""
-    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 30, ttl_s=3600)
+    remote, log = _events_tier(kv_redis_url, budget_bytes=1 << 30, ttl_s=3600, capacity_events=16)
     for i in range(20_000):  # what this worker wrote to Redis, announced
         log.stored("remote", i.to_bytes(32, "little"), None, "t-x")
     log._state["remote"] = blocks = _CountingBlocks(log._state["remote"])
