@@ -30,24 +30,6 @@ def _first_evictable(
     return None
 
 
-def adapt_to_ghost(
-    b1: OrderedDict[BlockId, None],
-    b2: OrderedDict[BlockId, None],
-    target_t1: float,
-    capacity_blocks: int,
-    block_id: BlockId,
-) -> tuple[float, int]:
-    """ARC's adaptation to a miss on an id in ghost list B1 (T1's target grows, up to the capacity) or
-    B2 (it shrinks, down to 0): the new target and which list (1 or 2) held it; the id leaves that list."""
-    if block_id in b1:
-        target = min(target_t1 + max(len(b2) / len(b1), 1.0), capacity_blocks)
-        del b1[block_id]
-        return target, 1
-    target = max(target_t1 - max(len(b1) / len(b2), 1.0), 0.0)
-    del b2[block_id]
-    return target, 2
-
-
 class ARCPolicy(EvictionPolicy):
     """Adaptive Replacement Cache: recency list T1, frequency list T2, ghost lists B1/B2."""
 
@@ -65,11 +47,16 @@ class ARCPolicy(EvictionPolicy):
 
     def on_miss(self, block_id: BlockId, now: float) -> None:
         self._ghost_hit = None
-        if block_id in self._b1 or block_id in self._b2:
-            self.target_t1_blocks, ghost = adapt_to_ghost(
-                self._b1, self._b2, self.target_t1_blocks, self.capacity_blocks, block_id
-            )
-            self._ghost_hit = (block_id, ghost)
+        if block_id in self._b1:
+            delta = max(len(self._b2) / len(self._b1), 1.0)
+            self.target_t1_blocks = min(self.target_t1_blocks + delta, self.capacity_blocks)
+            del self._b1[block_id]
+            self._ghost_hit = (block_id, 1)
+        elif block_id in self._b2:
+            delta = max(len(self._b1) / len(self._b2), 1.0)
+            self.target_t1_blocks = max(self.target_t1_blocks - delta, 0.0)
+            del self._b2[block_id]
+            self._ghost_hit = (block_id, 2)
 
     def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         if self._ghost_hit is None or self._ghost_hit[0] != block_id:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from policies.eviction_arc import ARCPolicy, adapt_to_ghost
+from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_lru import LRUPolicy
 
@@ -206,13 +206,7 @@ class LeafARCPolicy(_LeafLists):
         self.target_t1_blocks = 0.0  # ARC's p
         self._ghost_hit: tuple[BlockId, int] | None = None  # (id, 1 or 2): the pending miss was in B1/B2
 
-    def on_miss(self, block_id: BlockId, now: float) -> None:
-        self._ghost_hit = None
-        if block_id in self._b1 or block_id in self._b2:
-            self.target_t1_blocks, ghost = adapt_to_ghost(
-                self._b1, self._b2, self.target_t1_blocks, self.capacity_blocks, block_id
-            )
-            self._ghost_hit = (block_id, ghost)
+    on_miss = ARCPolicy.on_miss  # the ghost lists' adaptation, the same fields
 
     def on_insert(self, block_id: BlockId, meta: BlockMeta, now: float) -> None:
         if self._ghost_hit is None or self._ghost_hit[0] != block_id:
