@@ -323,38 +323,41 @@ async def _stream(
         usages: dict[int, dict[str, Any]] = {}  # each choice's final usage
         held: dict[int, int] = {}  # per choice: tokens generated whose text is not sent yet
         try:
-            with _formatting(call):
-                first = writer.first()
-            if first is not None:
-                await out.write(first)
-            while item is not None:
-                index, event = item
-                if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
-                    call.prompt_usage = event["usage"]
-                held[index] = held.get(index, 0) + len(event.get("token_ids") or ())
-                if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
-                    with _formatting(call):
-                        chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
-                    if chunk:
+            try:
+                with _formatting(call):
+                    first = writer.first()
+                if first is not None:
+                    await out.write(first)
+                while item is not None:
+                    index, event = item
+                    if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
+                        call.prompt_usage = event["usage"]
+                    held[index] = held.get(index, 0) + len(event.get("token_ids") or ())
+                    if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
+                        with _formatting(call):
+                            chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
+                        if chunk:
+                            await out.write(chunk)
+                            call.delivered_tokens += held.pop(index, 0)
+                            out.mark(call.delivered_tokens)
+                    if event.get("type") == "final":
+                        usages[index] = event.get("usage") or {}
+                        usage = choices.combined_usage([usages[i] for i in sorted(usages)])
+                        last = len(usages) == prepared.sampling.n
+                        reason = event.get("finish_reason", "stop")
+                        with _formatting(call):
+                            chunk = writer.final(reason, usage if last else None, index)
                         await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
                         out.mark(call.delivered_tokens)
-                if event.get("type") == "final":
-                    usages[index] = event.get("usage") or {}
-                    usage = choices.combined_usage([usages[i] for i in sorted(usages)])
-                    last = len(usages) == prepared.sampling.n
-                    reason = event.get("finish_reason", "stop")
-                    with _formatting(call):
-                        chunk = writer.final(reason, usage if last else None, index)
-                    await out.write(chunk)
-                    call.delivered_tokens += held.pop(index, 0)
-                    out.mark(call.delivered_tokens)
-                    if last:  # every choice ended: the worker's usage is what was delivered
-                        call.usage = usage
-                item = await anext(events, None)
-        except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
-            call.outcome = call.outcome or OUTCOME_SERVER_ERROR
-            await out.write(writer.error(exc.to_json(call.request_id)))
+                        if last:  # every choice ended: the worker's usage is what was delivered
+                            call.usage = usage
+                    item = await anext(events, None)
+            except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
+                call.outcome = call.outcome or OUTCOME_SERVER_ERROR
+                await out.write(writer.error(exc.to_json(call.request_id)))
+            await out.write(writer.done())  # a cut here too bills only what left (review r11 #1)
+            await out.write_eof()
         except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
             call.delivered_tokens = out.delivered()  # not what the abort threw away
             _cut(request, call)
@@ -364,8 +367,6 @@ async def _stream(
                 raise  # the client went away
             await _end_for_shutdown(call, response, writer)
             return response
-        await out.write(writer.done())
-        await out.write_eof()
     return response
 
 

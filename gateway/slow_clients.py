@@ -111,7 +111,9 @@ class StalledClient(ConnectionResetError):
 
 
 class AnswerCut(ConnectionResetError):
-    """A non-streamed answer's client stopped taking it (or hung up) while it was written."""
+    """An answer's client stopped taking it (or hung up) while it was written: a non-streamed answer's
+    (``send_answer``), or an upstream's stream (``gateway.upstream_serve``). Recorded as the client's
+    cancellation; the handler returns ``response`` (an exception would be logged as a server error)."""
 
     def __init__(self, response: web.Response) -> None:
         super().__init__("the client did not take its answer")

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
 from gateway.ratelimit import tokens_key
 from gateway.schemas import ChatRequest, CompletionRequest
-from gateway.slow_clients import ClientStream, send_answer
+from gateway.slow_clients import AnswerCut, ClientStream, send_answer
 from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, RATE_LIMITER, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
 from policies.chat_text import iter_texts
@@ -303,6 +303,7 @@ class _Relay:
         self.num_relayed = 0  # tokens written to the client, counted by chunk (the estimate's)
         self._num_pending = 0  # tokens of the chunk being written
         self._base: dict[str, Any] = {}
+        self.settled = False  # the tokens-per-minute window was corrected (settle_token_limit)
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         """The SSE bytes to send for ``chunk`` (b"" for a usage-only chunk: sent at the end)."""
@@ -373,10 +374,44 @@ def _num_prompt_tokens(request: web.Request, call: TenantCall, forwarded: Forwar
     return forwarded.num_prompt_estimate
 
 
+async def _relay_all(
+    request: web.Request,
+    call: TenantCall,
+    forwarded: ForwardedRequest,
+    relay: _Relay,
+    out: ClientStream[tuple[int, dict[str, Any] | None]],
+    chunk: dict[str, Any] | None,
+    events: AsyncIterator[dict[str, Any]],
+) -> None:
+    """Every write after the headers: the chunks, then the usage chunk (or an error event), [DONE] and
+    the end. The tokens-per-minute window is settled once, before the client sees the end."""
+    try:
+        while chunk is not None:
+            data = relay.chunk(chunk)
+            if data:
+                await out.write(data)
+            out.mark(relay.sent())
+            chunk = await anext(events, None)
+    except APIError as exc:
+        call.outcome = OUTCOME_SERVER_ERROR
+        relay.settled = True
+        await settle_token_limit(request, call, forwarded)  # the usage of the chunks relayed, if any
+        await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
+    else:
+        final = relay.finish()
+        relay.settled = True
+        await settle_token_limit(request, call, forwarded)  # before the client sees the end
+        if final:
+            await out.write(final)
+    await out.write(ChunkWriter.done())
+    await out.write_eof()
+
+
 async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> web.StreamResponse:
     """Relay the upstream's SSE. Errors before the first chunk are HTTP errors; later ones an error
     event (as OpenAI does). A client that goes away cancels the handler, which closes the upstream
-    connection (the upstream aborts) and records the call once (``tenant_call``)."""
+    connection (the upstream aborts) and records the call once (``tenant_call``); one cut for not
+    reading (``StalledClient``, at any write) ends it with ``AnswerCut``: its response is returned."""
     relay = _Relay(call, forwarded)
     upstream = forwarded.upstream
     chunks = upstream.stream(forwarded.route, forwarded.path, forwarded.body, call.request_id)
@@ -389,27 +424,18 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         timeout_s = request.config_dict[CONFIG].stream_write_timeout_s
         out = ClientStream[tuple[int, dict[str, Any] | None]](request, response, timeout_s, (0, None))
         try:
-            while chunk is not None:
-                data = relay.chunk(chunk)
-                if data:
-                    await out.write(data)
-                out.mark(relay.sent())
-                chunk = await anext(events, None)
-        except (asyncio.CancelledError, ConnectionResetError):
+            await _relay_all(request, call, forwarded, relay, out, chunk, events)
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            # Wherever it was cut (a chunk, the usage chunk, [DONE], the end): billed what left the
+            # gateway, not the whole answer nor what the abort threw away (review r11 #1).
+            call.usage = None  # not delivered whole, even when the upstream had finished
+            if call.outcome == OUTCOME_USAGE_UNREPORTED:
+                call.outcome = None  # the client's cut, as anywhere in the stream (tenant_call)
             relay.rewind(out.delivered())
             relay.cut(lambda: _num_prompt_tokens(request, call, forwarded))
-            # Its own task: the handler is being cancelled, the correction must still land.
-            await asyncio.shield(asyncio.ensure_future(settle_token_limit(request, call, forwarded)))
-            raise
-        except APIError as exc:
-            call.outcome = OUTCOME_SERVER_ERROR
-            await settle_token_limit(request, call, forwarded)  # the usage of the chunks relayed, if any
-            await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
-        else:
-            final = relay.finish()
-            await settle_token_limit(request, call, forwarded)  # before the client sees the end
-            if final:
-                await out.write(final)
-        await out.write(ChunkWriter.done())
-        await out.write_eof()
+            if not relay.settled:  # its own task: the handler may be cancelled, the correction must land
+                await asyncio.shield(asyncio.ensure_future(settle_token_limit(request, call, forwarded)))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise AnswerCut(response) from exc  # recorded as the client's; no server error logged
     return response
