@@ -38,7 +38,10 @@ class AdminClient:
         if params:
             url += "?" + urllib.parse.urlencode(params)
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method)
+        try:
+            req = urllib.request.Request(url, data=data, method=method)
+        except ValueError as exc:  # no scheme, a bad host…
+            raise AdminError(0, f"bad URL {self.base_url!r}: {exc}") from None
         req.add_header("Authorization", f"Bearer {self._token}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
@@ -58,6 +61,8 @@ class AdminClient:
             raise AdminError(exc.code, message, answer) from None
         except urllib.error.URLError as exc:
             raise AdminError(0, f"cannot reach {self.base_url}: {exc.reason}") from None
+        except (ValueError, OSError) as exc:  # e.g. an unsupported scheme, a bad port, a reset connection
+            raise AdminError(0, f"cannot reach {self.base_url}: {exc}") from None
 
     def resolve_tenant(self, ref: str) -> str:
         """A tenant id from an id or a name."""

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _admin_client(args: argparse.Namespace) -> AdminClient:
+def _gateway_url(args: argparse.Namespace) -> str:
     url = args.url or os.environ.get("PREFIXGATE_URL") or "http://127.0.0.1:8080"
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https") or "://" not in url:
+        raise ValueError(f"bad gateway URL {url!r}: expected http://HOST:PORT or https://HOST")
+    return url
+
+
+def _admin_client(args: argparse.Namespace) -> AdminClient:
+    url = _gateway_url(args)
     token = args.admin_token or os.environ.get("PREFIXGATE_ADMIN_TOKEN")
     if not token:
         token_file = Path(args.data_dir or os.environ.get("PREFIXGATE_DATA_DIR") or "data") / "admin_token"
@@ -189,6 +197,11 @@ def _admin_client(args: argparse.Namespace) -> AdminClient:
     if not token:
         raise AdminError(0, "no admin token: pass --admin-token or set PREFIXGATE_ADMIN_TOKEN")
     return AdminClient(url, token)
+
+
+def _quote(ref: str) -> str:
+    """An id as one URL path segment (an id holding "/" or "?" must not name another resource)."""
+    return urllib.parse.quote(ref, safe="")
 
 
 def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
@@ -201,7 +214,7 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
         tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
         return client.request("GET", "/audit", query={"tenant_id": tenant_id, "limit": args.limit})
     tenant_id = client.resolve_tenant(args.tenant)
-    path = f"/tenants/{tenant_id}"
+    path = f"/tenants/{_quote(tenant_id)}"
     if command == "update":
         body = _policy_body(args) | ({"name": args.new_name} if args.new_name else {})
         return client.request("PATCH", path, body)
@@ -216,13 +229,13 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
     }
     if command in simple:
         return client.request(*simple[command])
-    return client.request("POST", f"{path}/keys/{args.key_id}/revoke")
+    return client.request("POST", f"{path}/keys/{_quote(args.key_id)}/revoke")
 
 
 def _hot_prefix_command(client: AdminClient, args: argparse.Namespace) -> Any:
     if args.hot_command == "list":
         return client.request("GET", "/hot-prefixes", query={"include_revoked": "true" if args.all else None})
-    path = f"/hot-prefixes/{args.hot_prefix_id}"
+    path = f"/hot-prefixes/{_quote(args.hot_prefix_id)}"
     return client.request("DELETE" if args.hot_command == "revoke" else "GET", path)
 
 
@@ -267,7 +280,7 @@ def _lint(args: argparse.Namespace) -> Any:
     api_key = args.api_key or os.environ.get("PREFIXGATE_API_KEY")
     if not api_key:
         raise AdminError(0, "no tenant key: pass --api-key or set PREFIXGATE_API_KEY")
-    url = args.url or os.environ.get("PREFIXGATE_URL") or "http://127.0.0.1:8080"
+    url = _gateway_url(args)
     return AdminClient(url, api_key, timeout_s=60).call("POST", "/v1/prompt-lint", body)
 
 
@@ -328,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 overrides={"data_dir": args.data_dir, "database_url": args.database_url},
             )
             config.data_dir.mkdir(parents=True, exist_ok=True)
-            upgrade_database(config.resolved_database_url)
+            _upgrade(upgrade_database, config.resolved_database_url)
             print("database is at the latest revision")
             return 0
         if args.command == "lint":
@@ -351,6 +364,26 @@ def main(argv: list[str] | None = None) -> int:
             _print(exc.body)  # e.g. a partial purge: what each worker answered
         print(f"prefixgate: {exc}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as exc:  # a missing file, bad JSON/TOML, a bad URL: one line, no traceback
+        print(f"prefixgate: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _upgrade(upgrade_database: Any, database_url: str) -> None:
+    """``upgrade_database`` with SQLAlchemy's refusal of a URL (an unknown dialect…) as a ValueError."""
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        upgrade_database(database_url)
+    except ArgumentError as exc:
+        raise ValueError(f"bad --database-url: {exc}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    return text
 
 
 if __name__ == "__main__":

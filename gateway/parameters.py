@@ -67,8 +67,10 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "tools",
         {CHAT},
-        "rendered by the chat template; calls (Hermes/Qwen, Llama-3 JSON) parsed into `tool_calls`",
-        "models whose chat template has no tools support",
+        "rendered by the chat template; calls (Hermes/Qwen, Llama-3 JSON) parsed into `tool_calls`; "
+        "`function.strict: true` as in `response_format`",
+        "models whose chat template has no tools support; under `function.strict: true`, a schema "
+        "OpenAI's strict mode refuses",
     ),
     _p(
         "tool_choice",
@@ -80,8 +82,10 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "response_format",
         {CHAT},
-        "`text`; `json_object` and `json_schema` by constrained decoding (the answer parses and fits)",
-        "a schema that does not compile",
+        "`text`; `json_object` and `json_schema` by constrained decoding (the answer parses and fits); "
+        "`strict: true` as OpenAI's strict mode",
+        "a schema that does not compile; under `strict: true`, a schema OpenAI's strict mode refuses (a "
+        "property not in `required`, no `additionalProperties: false`, a root that is not an object)",
     ),
     _p("metadata", {CHAT}, "accepted (an object; informational, as OpenAI without `store`)"),
     _p("store", {CHAT}, "`false`", "`true` (completions are never stored)"),

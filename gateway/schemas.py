@@ -15,7 +15,7 @@ from typing import Any
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.json_body import MAX_JSON_DEPTH, read_json  # noqa: F401 - re-exported for the handlers
 from gateway.parameters import CHAT, COMPLETIONS, known_names
-from gateway.structured_output import response_format_grammar
+from gateway.structured_output import check_strict_tools, response_format_grammar
 
 # top_p 0 (OpenAI: the most likely token) as sent on: the worker, vLLM and SGLang take (0, 1], and a
 # nucleus this small is that one token (the most likely has at least 1 / vocabulary of the mass).
@@ -386,6 +386,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     tools = _opt(body, "tools", list, "an array of tools")
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise _type_error("tools", "an array of tool objects")
+    check_strict_tools(tools or ())
     tool_choice = _tool_choice(body, bool(tools))
     grammar = _response_format(body)
     if grammar is not None:

@@ -20,19 +20,22 @@ user turn keeps reusing them. Its role is ``user`` by default: moved text never 
 value from a document cannot become a system instruction). The last user message and everything after
 it are never changed. Canonicalization is idempotent: a request that already ends with a note has the
 note set aside, its placeholders are never matched again, and new placeholders are numbered after the
-highest one present.
+highest one the note lists, skipping any placeholder already in the text; past ``MAX_PLACEHOLDER``
+(the most ``PLACEHOLDER`` recognises) a value stays in place.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from policies.chat_text import (
+    MAX_PLACEHOLDER,
     NOTE_HEADER,
+    PLACEHOLDER,
     Message,
     cacheable_end,
     iter_texts,
@@ -45,7 +48,6 @@ from policies.chat_text import (
 from policies.fragments import (
     BUILTIN_RULES,
     MAX_FRAGMENTS_PER_REQUEST,
-    PLACEHOLDER,
     FragmentRule,
     compile_tenant_rules,
     stable_fragments,
@@ -220,10 +222,7 @@ def _canonical_messages(
     """The rewritten messages (only built when ``rewrite``), the fragments and whitespace changes."""
     body, note = split_note(messages)
     end = cacheable_end(body)
-    next_number = 1 + max(
-        (int(m.group(1)) for _, _, text in iter_texts(messages) for m in PLACEHOLDER.finditer(text)),
-        default=0,
-    )
+    numbers = _placeholder_numbers(messages, note)
     new_messages = copy.deepcopy(body) if rewrite else []
     fragments: list[Fragment] = []
     whitespace: list[WhitespaceChange] = []
@@ -244,8 +243,9 @@ def _canonical_messages(
         pieces: list[str] = []
         cursor = 0
         for span in stable_fragments(normalized, policy.rules, limit=budget) if budget > 0 else ():
-            placeholder = f"[[{next_number}]]"
-            next_number += 1
+            placeholder = next(numbers, None)
+            if placeholder is None:  # past MAX_PLACEHOLDER: the rest stays in place
+                break
             start = original_offset(span.start, deletions)
             fragments.append(
                 Fragment(
@@ -275,6 +275,18 @@ def _canonical_messages(
     if note is not None:
         new_messages.append(copy.deepcopy(note))
     return new_messages, tuple(fragments), tuple(whitespace)
+
+
+def _placeholder_numbers(messages: Sequence[Message], note: Message | None) -> Iterator[str]:
+    """New placeholders, in order: numbered after the highest one the note lists, skipping any that
+    already occurs in the text (a literal ``[[7]]`` is kept, never reused), up to ``MAX_PLACEHOLDER``.
+
+    Only the note counts, not literal text: a literal ``[[999999]]`` must not push numbers past what
+    ``PLACEHOLDER`` recognises (restore and idempotence would break)."""
+    taken = {m.group(0) for _, _, text in iter_texts(messages) for m in PLACEHOLDER.finditer(text)}
+    listed = note_entries(note) if note is not None else {}
+    start = 1 + max((int(p[2:-2]) for p in listed), default=0)
+    return (p for n in range(start, MAX_PLACEHOLDER + 1) if (p := f"[[{n}]]") not in taken)
 
 
 def restore(messages: Sequence[Message]) -> list[Message]:

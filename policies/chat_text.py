@@ -27,7 +27,11 @@ NOTE_HEADER = (
     "[prefixgate] Values moved out of the messages above so that their prefix can be cached; "
     "each [[n]] above stands for the value listed here."
 )
-_NOTE_ENTRY = re.compile(r"\[\[(\d{1,6})\]\] (.*)")
+# A placeholder left where canonicalization moved a value out (numbers 1..MAX_PLACEHOLDER); the one
+# pattern for placeholders in text and in the note's entries.
+PLACEHOLDER = re.compile(r"\[\[(\d{1,6})\]\]")
+MAX_PLACEHOLDER = 999_999
+_NOTE_ENTRY = re.compile(PLACEHOLDER.pattern + " (.*)")
 _TRAILING_WS = re.compile(r"[ \t]+(?=\r|\n|\Z)|\r\n|\r")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import re2
 
+from policies.chat_text import PLACEHOLDER  # left where a value was moved; never matched by a rule
 from policies.pattern_safety import MAX_MATCH_CHARS, check_pattern_safety
 
 MAX_FRAGMENT_CHARS = MAX_MATCH_CHARS  # a fragment is a short value; longer matches are ignored
@@ -35,8 +36,6 @@ MAX_TENANT_RULES = 16
 MAX_TENANT_PATTERN_CHARS = 256
 TENANT_RULE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
-# Placeholders left where a fragment was moved out (see canonicalize.py). Never matched by a rule.
-PLACEHOLDER = re.compile(r"\[\[(\d{1,6})\]\]")
 _MASK = "[[0]]"  # stands for any placeholder while matching is repeated
 _RESCAN_MARGIN = 1536  # text re-scanned on each side of a new placeholder (≥ 2 matches + lookarounds)
 _RESCAN_GUARD = 512  # matches this close to a re-scan window's cut are not trusted

@@ -198,11 +198,49 @@ def test_without_a_user_message_every_message_is_cacheable():
 
 
 def test_literal_placeholders_in_the_input_are_kept_and_never_reused():
-    request = chat(("system", "see [[2]] then 2026-11-29"), ("user", "and [[9]]"))
+    request = chat(("system", "see [[1]] then 2026-11-29"), ("user", "and [[2]]"))
     out = canonicalize_request(request, ON).request["messages"]
-    assert out[0]["content"] == "see [[2]] then [[10]]"
-    assert note_entries(out[-1]) == {"[[10]]": "2026-11-29"}
+    assert out[0]["content"] == "see [[1]] then [[3]]"
+    assert note_entries(out[-1]) == {"[[3]]": "2026-11-29"}
     assert restore(out) == request["messages"]
+
+
+SIX_DIGIT_LITERAL = chat(
+    ("system", "Ticket [[999999]] opened 2026-12-01T10:00:00Z by the agent."), ("user", "Summarise it.")
+)
+
+
+def test_a_six_digit_literal_placeholder_does_not_push_numbers_past_the_bound():
+    # review r12 #2: the next number was 1000000, which PLACEHOLDER does not recognise
+    out = canonicalize_request(SIX_DIGIT_LITERAL, ON).request["messages"]
+    assert out[0]["content"] == "Ticket [[999999]] opened [[1]] by the agent."
+    assert restore(out) == SIX_DIGIT_LITERAL["messages"]
+
+
+def test_idempotent_with_a_digit_pattern_after_a_six_digit_literal():
+    policy = CanonicalizationPolicy.from_tenant(mode="on", patterns={"ticket": r"[0-9]{7}"})
+    once = canonicalize_request(SIX_DIGIT_LITERAL, policy).request
+    assert dumps(canonicalize_request(once, policy).request) == dumps(once)
+
+
+def test_past_the_last_placeholder_number_values_stay_in_place():
+    note = {"role": "user", "content": f"{NOTE_HEADER}\n[[999998]] 14:03:22\n[[999999]] 09:00:00"}
+    request = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "at [[999998]] and [[999999]], then 2026-11-29 and 2026-11-30"},
+            {"role": "user", "content": "q"},
+            note,
+        ],
+    }
+    once = canonicalize_request(request, ON)
+    assert once.request["messages"][0]["content"] == request["messages"][0]["content"]
+    assert once.report.num_moved == 0
+    assert (
+        restore(once.request["messages"])[0]["content"]
+        == "at 14:03:22 and 09:00:00, then 2026-11-29 and 2026-11-30"
+    )
+    assert dumps(canonicalize_request(once.request, ON).request) == dumps(once.request)
 
 
 def test_a_request_that_already_has_a_note_gets_new_entries_appended():
@@ -249,6 +287,8 @@ _piece = st.one_of(
             "[[",
             "]]",
             "[[2]]",
+            "[[999999]]",
+            "[[1000000]]",
             "2026-11-29T14:03:22Z",
             "2026-11-29",
             "14:03:22",
