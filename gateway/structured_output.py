@@ -134,6 +134,10 @@ def _check_strict_object(node: Mapping[str, Any], where: str, param: str) -> Non
         )
     properties = node.get("properties") or {}
     required = node.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise _invalid(
+            f"'{param}': 'required' of the object at {where} must be a list of property names", param
+        )
     missing = sorted(set(properties) - set(required)) if isinstance(properties, Mapping) else []
     if missing:
         raise _invalid(

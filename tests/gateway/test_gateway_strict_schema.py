@@ -81,6 +81,20 @@ def test_strict_must_be_a_boolean():
     assert refused.value.param == "tools[0].function.strict"
 
 
+@pytest.mark.parametrize("required", [5, "a", [["a"]], [{"a": 1}]])
+def test_a_malformed_required_under_strict_is_a_400_not_a_500(required):
+    """``required`` must be a list of names: before, ``set(required)`` raised (a 500) under strict."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}
+    schema["required"] = required
+    with pytest.raises(InvalidRequest, match="required") as refused:
+        response_format_grammar(_json_schema(schema))
+    assert refused.value.param == PARAM
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    with pytest.raises(InvalidRequest, match="required") as refused:
+        check_strict_tools([tool])
+    assert refused.value.param == "tools[0].function.parameters"
+
+
 def test_strict_tools_need_a_strict_schema():
     loose = {"type": "function", "function": {"name": "f", "strict": True, "parameters": LOOSE}}
     with pytest.raises(InvalidRequest) as refused:
