@@ -252,6 +252,18 @@ async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: 
         await limiter.refund(key, forwarded.num_limit_tokens - used, call.tokens_counted)
 
 
+_SETTLING: set[asyncio.Task] = set()  # corrections under way: a reference until each ends
+
+
+async def _settle_shielded(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> None:
+    """``settle_token_limit`` in its own task: a client hanging up (the handler cancelled) while the
+    window is being corrected does not stop the correction (review r13 #2)."""
+    task = asyncio.ensure_future(settle_token_limit(request, call, forwarded))
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+    await asyncio.shield(task)
+
+
 def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:
     if forwarded.path != "/chat/completions":
         return dict(call.rate_headers)
@@ -271,7 +283,7 @@ async def respond(request: web.Request, call: TenantCall, forwarded: ForwardedRe
         data.pop("usage", None)  # whatever it was, it is not a usage the client can read
     else:
         data["usage"] = client_usage(billed, forwarded, call)
-    await settle_token_limit(request, call, forwarded)
+    await _settle_shielded(request, call, forwarded)
     data.update(id=call.completion_id, model=forwarded.request.model)
     answer = json_response(data, headers=_headers(call, forwarded))
     await send_answer(request, call, answer)
@@ -395,12 +407,12 @@ async def _relay_all(
     except APIError as exc:
         call.outcome = OUTCOME_SERVER_ERROR
         relay.settled = True
-        await settle_token_limit(request, call, forwarded)  # the usage of the chunks relayed, if any
+        await _settle_shielded(request, call, forwarded)  # the usage of the chunks relayed, if any
         await out.write(ChunkWriter.error(exc.to_json(call.request_id)))
     else:
         final = relay.finish()
         relay.settled = True
-        await settle_token_limit(request, call, forwarded)  # before the client sees the end
+        await _settle_shielded(request, call, forwarded)  # before the client sees the end
         if final:
             await out.write(final)
     await out.write(ChunkWriter.done())
@@ -434,7 +446,7 @@ async def _stream(request: web.Request, call: TenantCall, forwarded: ForwardedRe
             relay.rewind(out.delivered())
             relay.cut(lambda: _num_prompt_tokens(request, call, forwarded))
             if not relay.settled:  # its own task: the handler may be cancelled, the correction must land
-                await asyncio.shield(asyncio.ensure_future(settle_token_limit(request, call, forwarded)))
+                await _settle_shielded(request, call, forwarded)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise AnswerCut(response) from exc  # recorded as the client's; no server error logged
