@@ -211,6 +211,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         max_prompt_chars=config.max_prompt_chars,
         prefix_index=prefix_index,
         near_miss=near_miss,
+        max_answer_units=config.max_answer_units,
     )
     app[PIPELINE] = pipeline
     await pool.check_all()

@@ -129,6 +129,9 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_reading_body_bytes: int = 256 * 1024 * 1024  # bodies being read at once (Content-Length); 503 past it
     max_prompt_chars: int = 1_000_000  # characters of messages / prompt, checked before rendering (413)
+    # n × max_tokens × (1 + top_logprobs) a non-streamed answer may hold (built whole in memory); more is a
+    # 400 that says to stream. 262,144 serves every plain answer of a 32k window at n = 8 (0: no limit)
+    max_answer_units: int = 262_144
     max_in_flight: int = 512  # tenant requests in flight on this replica; more get 503 at once (0: no bound)
     tenant_in_flight_share: float = 0.5  # of max_in_flight one tenant may hold (429 past it); 1.0: no share
     cpu_threads: int = 4  # threads for render, canonicalize, tokenize, hash (off the event loop)

@@ -215,6 +215,7 @@ class RequestPipeline:
         max_prompt_chars: int = 0,
         prefix_index: PrefixIndex | None = None,
         near_miss: NearMissRouting | None = None,
+        max_answer_units: int = 0,
     ) -> None:
         self._pool = pool
         self._router = router
@@ -228,6 +229,7 @@ class RequestPipeline:
         self._background: set[asyncio.Task] = set()
         self._cpu = cpu
         self._max_prompt_chars = max_prompt_chars
+        self._max_answer_units = max_answer_units
 
     def resolve_model(self, model_id: str) -> ModelRuntime:
         model = self._pool.model(model_id)
@@ -327,6 +329,23 @@ class RequestPipeline:
         if requested is None:
             requested = min(self._default_max_tokens, room, tenant.max_tokens_limit or room)
         return replace(sampling, max_tokens=requested)
+
+    def check_answer_size(self, sampling: SamplingParams, endpoint: str) -> None:
+        """A non-streamed answer is built whole in memory: n × max_tokens × (1 + top alternatives) per
+        token, at most ``max_answer_units`` (0: no limit); beyond it a 400 that says to stream."""
+        per_token = 1 + sampling.top_logprobs if sampling.logprobs else 1
+        units = sampling.n * (sampling.max_tokens or 0) * per_token
+        if self._max_answer_units and units > self._max_answer_units:
+            param = "top_logprobs" if endpoint == "chat.completions" and sampling.logprobs else "logprobs"
+            if not sampling.logprobs:
+                param = "max_tokens"
+            raise InvalidRequest(
+                f"this answer would hold up to {units} tokens and alternatives (n × max_tokens × "
+                f"(1 + top_logprobs)), more than the {self._max_answer_units} a non-streamed answer may: "
+                "stream it (stream: true), or lower n, max_tokens or top_logprobs",
+                param=param,
+                code="answer_too_large",
+            )
 
     def segments(self, tenant: TenantPolicy, *, promoted_prefix_tokens: int = 0) -> list[NamespaceSegment]:
         """Namespace segments derived server-side from the authenticated tenant (and the promotions
@@ -447,6 +466,8 @@ class RequestPipeline:
         )
         token_ids = prompt.token_ids
         sampling = self.resolve_sampling(tenant, model, request.sampling, len(token_ids))
+        if not request.stream:
+            self.check_answer_size(sampling, endpoint)
         if check_tokens is not None:  # each of the n choices may generate max_tokens
             await check_tokens(len(token_ids) + (sampling.max_tokens or 0) * sampling.n)
         run_cpu = functools.partial(self.run_cpu, owner=tenant.tenant_id)
