@@ -279,6 +279,10 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
             param=f"messages[{index}].role",
             code="invalid_value",
         )
+    for field in ("name", "tool_call_id"):
+        if raw.get(field) is not None and not isinstance(raw[field], str):
+            raise _type_error(f"messages[{index}].{field}", "a string")
+        _printable(raw.get(field), f"messages[{index}].{field}")
     message = dict(raw)
     message["role"] = "system" if role == "developer" else role
     message["content"] = _content_text(raw.get("content"), index)
@@ -317,6 +321,16 @@ def _check_tool_calls(calls: Any, index: int) -> None:
             raise _type_error(f"{at}.function.name", "a non-empty string")
         if not isinstance(function.get("arguments"), str | dict):
             raise _type_error(f"{at}.function.arguments", "a string (JSON) or an object")
+
+
+def _check_tool_parameters(tools: list[dict[str, Any]] | tuple[()]) -> None:
+    """``tools[i].function.parameters``: absent/null (no arguments) or a JSON Schema object; ``[]``, ``0``
+    or ``""`` must not silently mean "no arguments" (``gateway.tool_calls`` reads them with ``or``)."""
+    for index, tool in enumerate(tools):
+        function = tool.get("function")
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _type_error(f"tools[{index}].function.parameters", "a JSON Schema object")
 
 
 def _reject_if_set(body: Mapping[str, Any], names: tuple[str, ...]) -> None:
@@ -386,6 +400,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
     tools = _opt(body, "tools", list, "an array of tools")
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise _type_error("tools", "an array of tool objects")
+    _check_tool_parameters(tools or ())
     check_strict_tools(tools or ())
     tool_choice = _tool_choice(body, bool(tools))
     grammar = _response_format(body)

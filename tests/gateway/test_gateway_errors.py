@@ -48,6 +48,29 @@ async def test_missing_and_bad_keys_are_401(client, path):
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "user": 7}, "user"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x", "name": {"a": 1}}]},
+            "messages[0].name",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x", "name": ["a"]}]}, "messages[0].name"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x", "name": "a\x00"}]}, "messages[0].name"),
+        (
+            {"model": "m", "messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+            "messages[0].tool_call_id",
+        ),
+        *(
+            (
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": "x"}],
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}],
+                    "tool_choice": choice,
+                },
+                "tools[0].function.parameters",
+            )
+            for bad in ([], 0, "", "x")
+            for choice in ("auto", "none")
+        ),
     ],
 )
 async def test_chat_validation_is_400(client, key, body, param):
