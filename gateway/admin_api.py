@@ -232,7 +232,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 
 async def audit_log(request: web.Request) -> web.Response:
-    limit = _int_query(request, "limit", 100)
+    limit = admin_reports.query_limit(request, 100, 10_000)
     rows = await request.config_dict[REPOSITORY].audit_log(
         tenant_id=request.query.get("tenant_id"), limit=limit
     )
@@ -248,16 +248,6 @@ async def audit_log(request: web.Request) -> web.Response:
         for row in rows
     ]
     return web.json_response({"object": "list", "data": data})
-
-
-def _int_query(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        return max(1, min(int(raw), 10_000))
-    except ValueError:
-        raise InvalidRequest(f"'{name}' must be an integer", param=name) from None
 
 
 async def workers_status(request: web.Request) -> web.Response:

@@ -49,14 +49,15 @@ def _choice(request: web.Request, name: str, choices: tuple[str, ...], default: 
     return value
 
 
-def _limit(request: web.Request, default: int, maximum: int) -> int:
+def query_limit(request: web.Request, default: int, maximum: int) -> int:
+    """The ``limit`` query parameter: ASCII digits (``int`` alone takes ``+5``, ``1_000``, full-width
+    digits), 1 to ``maximum``; else a 400 naming it."""
     raw = request.query.get("limit")
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidRequest("'limit' must be an integer", param="limit") from None
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 19):
+        raise InvalidRequest("'limit' must be a positive integer", param="limit")
+    value = int(raw)
     if not 1 <= value <= maximum:
         raise InvalidRequest(f"'limit' must be between 1 and {maximum}", param="limit")
     return value
@@ -113,7 +114,7 @@ async def usage_report_handler(request: web.Request) -> web.Response:
         granularity=granularity,
         by_end_user=group_by == "end_user",
         cursor=cursor,
-        limit=_limit(request, 1000, REPORT_MAX_ROWS),
+        limit=query_limit(request, 1000, REPORT_MAX_ROWS),
     )
     if output == "csv":
         text = await asyncio.to_thread(report_to_csv, page.rows)
@@ -146,7 +147,7 @@ async def request_export_handler(request: web.Request) -> web.Response:
         start=_time_query(request, "start"),
         end=_time_query(request, "end"),
         cursor=cursor,
-        limit=_limit(request, 1000, 10_000),
+        limit=query_limit(request, 1000, 10_000),
     )
     if output == "csv":
         text = await asyncio.to_thread(rows_to_csv, page.data, EXPORT_FIELDS)
@@ -163,7 +164,7 @@ async def request_export_handler(request: web.Request) -> web.Response:
 async def rejected_list_handler(request: web.Request) -> web.Response:
     """GET /usage/rejected: usage records the database refused (kept aside, retried periodically)."""
     writer = request.config_dict[USAGE_WRITER]
-    limit = _limit(request, 100, 10_000)
+    limit = query_limit(request, 100, 10_000)
     records = await asyncio.to_thread(writer.rejected.read)
     data: list[dict[str, Any]] = [event.to_json() for event in records[:limit]]
     return web.json_response({"object": "list", "total": len(records), "data": data})

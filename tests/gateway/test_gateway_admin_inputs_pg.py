@@ -32,6 +32,12 @@ CASES = [
     ("delete", "/admin/v1/tenants/tn_x/keys/key_%00", None, 404),
     ("get", "/admin/v1/hot-prefixes/hp_%00", None, 404),
     ("get", "/admin/v1/audit?tenant_id=%00", None, 400),
+    ("get", "/admin/v1/audit?limit=-1", None, 400),  # was clamped to 1 (a 200), unlike the reports' limit
+    ("get", "/admin/v1/audit?limit=0", None, 400),
+    ("get", "/admin/v1/audit?limit=10001", None, 400),
+    ("get", "/admin/v1/audit?limit=%2B5", None, 400),
+    ("get", "/admin/v1/reports/usage?limit=1_000", None, 400),
+    ("get", "/admin/v1/reports/requests?limit=%EF%BC%95", None, 400),  # a full-width 5
     ("get", "/admin/v1/reports/usage?tenant_id=%00", None, 400),
     ("get", "/admin/v1/reports/requests?tenant_id=%00", None, 400),
     ("get", "/admin/v1/reports/requests?cursor=99999999999999999999999", None, 400),
