@@ -17,7 +17,6 @@ go) they would refuse to evict an inner block that ``LRUPolicy`` evicts.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -25,6 +24,7 @@ from typing import ClassVar
 from policies.eviction_arc import ARCPolicy
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
 from policies.eviction_lru import LRUPolicy
+from policies.leaf_heap import pop_first_leaf, push_leaf
 
 
 class _LeafLists(EvictionPolicy):
@@ -118,34 +118,14 @@ class _LeafLists(EvictionPolicy):
             self._push(k, order[block_id], block_id)
 
     def _push(self, k: int, stamp: int, block_id: BlockId) -> None:
-        heap = self._heaps[k]
-        heapq.heappush(heap, (stamp, block_id))
-        if len(heap) > 2 * len(self._lists[k]) + 64:
-            live = [(s, b) for b, s in self._lists[k].items() if b not in self._num_children]
-            heapq.heapify(live)
-            heap[:] = live
+        push_leaf(self._heaps[k], self._lists[k], self._num_children, stamp, block_id)
 
     def _pop_first_evictable(self, k: int, can_evict: Callable[[BlockId], bool]) -> BlockId | None:
         """Remove and return list ``k``'s least recently used leaf that ``can_evict`` accepts."""
         if self._unpushed is not None:
             self._push(*self._unpushed)
             self._unpushed = None
-        heap, order, num_children = self._heaps[k], self._lists[k], self._num_children
-        refused: list[tuple[int, BlockId]] = []
-        victim = None
-        while heap:
-            entry = heapq.heappop(heap)
-            stamp, block_id = entry
-            if order.get(block_id) != stamp or block_id in num_children:
-                continue  # stale: touched again since, left the list, or gained a child
-            if not can_evict(block_id):
-                refused.append(entry)  # keeps its place, as in the list
-                continue
-            del order[block_id]
-            victim = block_id
-            break
-        for entry in refused:
-            heapq.heappush(heap, entry)
+        victim = pop_first_leaf(self._heaps[k], self._lists[k], self._num_children, can_evict)
         if victim is not None:
             self._unlink(victim)
         return victim

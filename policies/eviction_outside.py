@@ -16,10 +16,10 @@ again, as the leaf followers ask them). Behind a flat owner every entry counts a
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 from policies.eviction_base import BlockId
+from policies.leaf_heap import pop_first_leaf, push_leaf, rebuild
 
 
 class OutsideLists:
@@ -105,35 +105,11 @@ class OutsideLists:
         heap = self._heaps[k]
         if not heap:
             return None
-        order, num_children = self.lists[k], self._num_children
-        refused: list[tuple[int, BlockId]] = []
-        victim = last = None
-        while heap:
-            entry = heapq.heappop(heap)
-            number, block_id = entry
-            if entry == last or order.get(block_id) != number or block_id in num_children:
-                continue  # a duplicate (they pop together), left the list (or came back), or inner
-            last = entry
-            if not can_evict(block_id):
-                refused.append(entry)  # keeps its place, as in the list
-                continue
-            del order[block_id]
-            victim = block_id
-            break
-        for entry in refused:
-            heapq.heappush(heap, entry)
-        return victim
+        return pop_first_leaf(heap, self.lists[k], self._num_children, can_evict)
 
     def _push(self, k: int, number: int, block_id: BlockId) -> None:
-        if k != self._searched:
-            return  # rebuilt when it is searched
-        heap = self._heaps[k]
-        heapq.heappush(heap, (number, block_id))
-        if len(heap) > 2 * len(self.lists[k]) + 64:
-            self._compact(k)
+        if k == self._searched:  # another list's heap is rebuilt when it is searched
+            push_leaf(self._heaps[k], self.lists[k], self._num_children, number, block_id)
 
     def _compact(self, k: int) -> None:
-        """Rebuild list ``k``'s heap from its live entries (stale ones had piled up, or it was not kept)."""
-        live = [(n, b) for b, n in self.lists[k].items() if b not in self._num_children]
-        heapq.heapify(live)
-        self._heaps[k][:] = live
+        rebuild(self._heaps[k], self.lists[k], self._num_children)

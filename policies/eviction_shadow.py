@@ -18,7 +18,6 @@ prompt walk (``walk_hits``: usable flags, pins) computed once for every shadow t
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from policies.eviction_base import BlockId, BlockMeta, EvictionPolicy
+from policies.leaf_heap import pop_first_leaf, push_leaf
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,12 +341,7 @@ class _LeafHeaps(Shadow):
             self._push(k, self.clock, block_id)
 
     def _push(self, k: int, stamp: int, block_id: BlockId) -> None:
-        heap = self.heaps[k]
-        heapq.heappush(heap, (stamp, block_id))
-        if len(heap) > 2 * len(self.lists[k]) + 64:
-            live = [(s, b) for b, s in self.lists[k].items() if b not in self.num_children]
-            heapq.heapify(live)
-            heap[:] = live
+        push_leaf(self.heaps[k], self.lists[k], self.num_children, stamp, block_id)
 
     def _became_leaf(self, block_id: BlockId) -> None:
         for k, order in enumerate(self.lists):
@@ -357,27 +352,12 @@ class _LeafHeaps(Shadow):
 
     def _pop_first_evictable(self, k: int) -> BlockId | None:
         """Remove and return list ``k``'s least recently used evictable block (pinned ones stay put)."""
-        heap, order, num_children, pinned = self.heaps[k], self.lists[k], self.num_children, self.pinned
+        pinned = self.pinned
         unpushed = self.unpushed
         if unpushed is not None and unpushed[2] not in pinned:
             self.unpushed = None
             self._push(*unpushed)
-        kept: list[tuple[int, BlockId]] = []
-        victim = None
-        while heap:
-            entry = heapq.heappop(heap)
-            stamp, block_id = entry
-            if order.get(block_id) != stamp or block_id in num_children:
-                continue  # stale: touched again since, left the list, or gained a child
-            if block_id in pinned:
-                kept.append(entry)
-                continue
-            del order[block_id]
-            victim = block_id
-            break
-        for entry in kept:
-            heapq.heappush(heap, entry)
-        return victim
+        return pop_first_leaf(self.heaps[k], self.lists[k], self.num_children, lambda b: b not in pinned)
 
 
 class LRUShadow(_LeafHeaps):
