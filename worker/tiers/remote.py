@@ -37,24 +37,34 @@ from worker.tiers.host import DemotedBlock
 
 log = logging.getLogger("prefixgate.worker.remote")
 
-_PUT_SCRIPT = """
+
+def _evict_oldest(lru: str, sizes: str, total: str, limit: str) -> str:
+    """Lua: pop the oldest keys of the LRU ``lru`` (their sizes in hash ``sizes``, counted in ``total``)
+    while the local ``total`` is over ``limit``; the victims go into the local ``evicted``."""
+    return f"""local evicted = {{}}
+while total > tonumber({limit}) do
+  local victim = redis.call('ZPOPMIN', {lru}, 1)[1]
+  if victim == nil then break end
+  local size = tonumber(redis.call('HGET', {sizes}, victim)) or 0
+  redis.call('HDEL', {sizes}, victim)
+  redis.call('DEL', victim)
+  total = redis.call('DECRBY', {total}, size)
+  evicted[#evicted + 1] = victim
+end
+"""
+
+
+_PUT_SCRIPT = (
+    """
 local old = redis.call('HGET', KEYS[3], KEYS[1])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], string.len(ARGV[1]))
 local total = redis.call('INCRBY', KEYS[4], string.len(ARGV[1]) - (tonumber(old) or 0))
-local evicted = {}
-while total > tonumber(ARGV[4]) do
-  local victim = redis.call('ZPOPMIN', KEYS[2], 1)[1]
-  if victim == nil then break end
-  local size = tonumber(redis.call('HGET', KEYS[3], victim)) or 0
-  redis.call('HDEL', KEYS[3], victim)
-  redis.call('DEL', victim)
-  total = redis.call('DECRBY', KEYS[4], size)
-  evicted[#evicted + 1] = victim
-end
-return evicted
 """
+    + _evict_oldest("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[4]")
+    + "return evicted\n"
+)
 _TOUCH_SCRIPT = """
 local kept = 0
 for i = 1, #KEYS, 2 do
@@ -64,20 +74,13 @@ for i = 1, #KEYS, 2 do
 end
 return kept
 """
-_TRIM_SCRIPT = """
+_TRIM_SCRIPT = (
+    """
 local total = tonumber(redis.call('GET', KEYS[3]) or '0')
-local evicted = {}
-while total > tonumber(ARGV[1]) do
-  local victim = redis.call('ZPOPMIN', KEYS[1], 1)[1]
-  if victim == nil then break end
-  local size = tonumber(redis.call('HGET', KEYS[2], victim)) or 0
-  redis.call('HDEL', KEYS[2], victim)
-  redis.call('DEL', victim)
-  total = redis.call('DECRBY', KEYS[3], size)
-  evicted[#evicted + 1] = victim
-end
-return evicted
 """
+    + _evict_oldest("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]")
+    + "return evicted\n"
+)
 # A quota partition whose quota shrank (another dedicated owner asked) or went is trimmed to its new quota
 # (0: emptied) before this worker's next write, as the put script trims: oldest first.
 
