@@ -553,6 +553,7 @@ class TieredStore:
             for b in pool.blocks
             if b.block_hash is not None and b.block_hash not in self.disk
         ]
+        in_l1 = {b.record.block_hash for b in blocks}  # a block loaded back from L2 is in both: once
         blocks += [
             DemotedBlock(
                 record=self.l2.record(b.block_id),
@@ -561,7 +562,7 @@ class TieredStore:
                 data=self.l2.data[b.block_id].clone(),
             )
             for b, position in self.l2.resident()
-            if b.block_hash not in self.disk
+            if b.block_hash not in self.disk and b.block_hash not in in_l1
         ]
         return self.disk.write(blocks)
 
