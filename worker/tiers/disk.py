@@ -322,11 +322,13 @@ class DiskTier:
     def read(self, file_id: int, first: int, count: int) -> tuple[list[BlockRecord], torch.Tensor]:
         """Decode blocks ``first … first+count-1`` of one file.
 
-        Raises CorruptEntry (after deleting the file) when it is damaged.
+        Raises CorruptEntry (after deleting the file) when it is damaged, or when it was evicted meanwhile
+        (a miss, counted in ``reads_evicted_total``, not as damage).
         """
         with self._lock:
             info = self.files.get(file_id)
             if info is None:
+                self.counters["reads_evicted_total"] += 1
                 raise CorruptEntry("file was evicted")
             if file_id in self.policy:
                 self.policy.on_hit(BlockId(file_id), time.monotonic())
@@ -347,6 +349,10 @@ class DiskTier:
             region = payloads(data, header, first, count)
             blocks = codec.decode(region, count, self.block_shape, self.dtype)
         except (CorruptEntry, OSError) as exc:
+            with self._lock:
+                if file_id not in self.files:  # evicted or purged after the look-up (unlinked): a miss
+                    self.counters["reads_evicted_total"] += 1
+                    raise CorruptEntry("file was evicted") from None
             log.warning("deleting damaged KV file %s: %s", info.path, exc)
             with self._lock:
                 if file_id in self.files:
