@@ -97,6 +97,10 @@ class WorkerPool:
             if any(self.workers[url].healthy for url in group.worker_urls)
         }
 
+    def known_model_ids(self) -> list[str]:
+        """Every model a worker has reported, healthy or not."""
+        return list(self._models)
+
     def model(self, model_id: str) -> ModelRuntime | None:
         group = self._models.get(model_id)
         return None if group is None else group.runtime
