@@ -427,9 +427,15 @@ class NearMissRouting:
         await self._findings.forget(tenant_id)
 
     def _stale(self, tenant_id: str, epoch: int) -> bool:
-        """Whether something prepared at ``epoch`` is from before the tenant's latest purge."""
+        """Whether something prepared at ``epoch`` is from before the tenant's latest purge, or its
+        tenant was deleted or opted out since (the policies in force: nothing is kept per deletion)."""
         known = self._epoch_of.get(tenant_id)
-        return known is not None and epoch < known
+        if known is not None and epoch < known:
+            return True
+        if self._policies is None or not self._policies.ready:
+            return False
+        current = self._policies.get(tenant_id)
+        return current is None or not current.near_miss_routing or epoch < current.epoch
 
     def _observe_epoch(self, tenant: TenantPolicy) -> None:
         """A tenant whose epoch grew since its prompts were remembered was purged or invalidated

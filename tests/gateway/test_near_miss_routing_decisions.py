@@ -240,3 +240,31 @@ async def test_repeated_purges_leave_bounded_bookkeeping_and_late_requests_out(n
     await near_miss.route(tenant, runtime, first, _segments_at(300), request(), URLS[0])
     assert len(near_miss._recent_of(runtime.model_id, _segments_at(300))) == 1
     assert await near_miss.findings("tn_a") == []
+
+
+class Policies:
+    """The tenant policies in force, as ``tenancy.cache.PolicyCache`` answers them (a snapshot)."""
+
+    def __init__(self, *tenants: TenantPolicy) -> None:
+        self.by_id, self.ready = {tenant.tenant_id: tenant for tenant in tenants}, True
+
+    def get(self, tenant_id: str) -> TenantPolicy | None:
+        return self.by_id.get(tenant_id)
+
+
+async def test_a_request_prepared_before_its_tenant_was_deleted_leaves_nothing_behind(runtime):  # noqa: F811
+    """The sweep drops a deleted tenant's epoch (no per-deletion state): a request prepared before the
+    deletion that arrives after it is refused by the policies in force instead."""
+    policies = Policies(TENANT)
+    routing = NearMissRouting(embedder=PromptEmbedder(), policies=policies, sweep_s=3600)
+    first, second = prompt_pair(10)
+    await routing.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    await routing.forget_tenant(TENANT.tenant_id, epoch=TENANT.epoch + 1)
+    del policies.by_id[TENANT.tenant_id]  # then deleted
+    routing.sweep()
+    assert not routing._epoch_of and not routing._keys_of
+    late = await routing.route(TENANT, runtime, second, SEGMENTS, request(), URLS[1])
+    assert late.worker_url == URLS[1] and late.exact_tokens is None
+    assert routing._recent_of(runtime.model_id, SEGMENTS) == [] and not routing._keys_of
+    assert await routing.findings(TENANT.tenant_id) == []
+    await routing.close()
