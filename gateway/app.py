@@ -102,7 +102,8 @@ async def database_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = create_engine(config.resolved_database_url)
     sessionmaker = create_sessionmaker(engine)
     repository = TenantRepository(sessionmaker)
-    cache = PolicyCache(repository, refresh_s=config.policy_refresh_s)
+    # Every replica drops a deleted tenant's metric series when its reload no longer shows the tenant.
+    cache = PolicyCache(repository, refresh_s=config.policy_refresh_s, on_reload=app[METRICS].forget_tenants)
     app[ENGINE], app[SESSIONMAKER], app[REPOSITORY], app[POLICY_CACHE] = (
         engine,
         sessionmaker,
