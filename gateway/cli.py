@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     admin_parent.add_argument("--admin-token", default=None)
     admin_parent.add_argument("--data-dir", default=None, help="where to find admin_token")
 
+    tenant_ref = argparse.ArgumentParser(add_help=False)  # commands that name a tenant by id or name
+    tenant_ref.add_argument(
+        "--id",
+        dest="tenant_is_id",
+        action="store_true",
+        help="the tenant is given by its id (needed when another tenant is named like that id)",
+    )
+
     tenant = sub.add_parser("tenant", help="manage tenants through the admin API")
     t_sub = tenant.add_subparsers(dest="tenant_command", required=True)
     create = t_sub.add_parser("create", parents=[admin_parent])
@@ -131,15 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_options(create)
     t_sub.add_parser("list", parents=[admin_parent])
     for name in ("get", "delete", "invalidate", "purge", "keys", "add-key", "rotate-key"):
-        t_sub.add_parser(name, parents=[admin_parent]).add_argument("tenant", help="tenant id or name")
-    update = t_sub.add_parser("update", parents=[admin_parent])
+        t_sub.add_parser(name, parents=[admin_parent, tenant_ref]).add_argument(
+            "tenant", help="tenant id or name"
+        )
+    update = t_sub.add_parser("update", parents=[admin_parent, tenant_ref])
     update.add_argument("tenant", help="tenant id or name")
     update.add_argument("--name", dest="new_name", default=None)
     _add_policy_options(update)
-    revoke = t_sub.add_parser("revoke-key", parents=[admin_parent])
+    revoke = t_sub.add_parser("revoke-key", parents=[admin_parent, tenant_ref])
     revoke.add_argument("tenant", help="tenant id or name")
     revoke.add_argument("key_id")
-    audit = t_sub.add_parser("audit", parents=[admin_parent])
+    audit = t_sub.add_parser("audit", parents=[admin_parent, tenant_ref])
     audit.add_argument("--tenant", default=None)
     audit.add_argument("--limit", type=int, default=None)
 
@@ -158,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="usage reports through the admin API")
     r_sub = report.add_subparsers(dest="report_command", required=True)
-    usage = r_sub.add_parser("usage", parents=[admin_parent])
+    usage = r_sub.add_parser("usage", parents=[admin_parent, tenant_ref])
     usage.add_argument("--tenant", default=None, help="tenant id or name")
     usage.add_argument("--start", default=None)
     usage.add_argument("--end", default=None)
@@ -168,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--cursor", default=None, help="one page, after the next_cursor of the previous one")
     usage.add_argument("--limit", type=int, default=None, help="rows per page (default: the gateway's)")
     requests = r_sub.add_parser(
-        "requests", parents=[admin_parent], help="per-request export (JSON: one page; CSV: every page)"
+        "requests",
+        parents=[admin_parent, tenant_ref],
+        help="per-request export (JSON: one page; CSV: every page)",
     )
     requests.add_argument("--tenant", default=None, help="tenant id or name")
     requests.add_argument("--start", default=None)
@@ -215,9 +227,9 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
     if command == "list":
         return client.request("GET", "/tenants")
     if command == "audit":
-        tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+        tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id) if args.tenant else None
         return client.request("GET", "/audit", query={"tenant_id": tenant_id, "limit": args.limit})
-    tenant_id = client.resolve_tenant(args.tenant)
+    tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id)
     path = f"/tenants/{_quote(tenant_id)}"
     if command == "update":
         body = _policy_body(args) | ({"name": args.new_name} if args.new_name else {})
@@ -248,7 +260,7 @@ def _report_command(client: AdminClient, args: argparse.Namespace) -> Any:
         if args.retry:
             return client.request("POST", "/usage/rejected/retry")
         return client.request("GET", "/usage/rejected")
-    tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+    tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id) if args.tenant else None
     query = {"tenant_id": tenant_id, "start": args.start, "end": args.end, "format": args.format}
     if args.report_command == "requests":
         return request_export(client, query, args.cursor, args.limit, args.format)
