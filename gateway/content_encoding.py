@@ -28,6 +28,27 @@ class UnsupportedMediaType(APIError):
     code = "unsupported_content_encoding"
 
 
+class UnsupportedTransferCoding(APIError):
+    status = 501
+    code = "unsupported_transfer_encoding"
+
+
+def check_transfer_coding(request: web.BaseRequest) -> None:
+    """A ``Transfer-Encoding`` other than ``chunked`` alone is a 501 (RFC 9112 §6.1: a transfer coding
+    the server does not understand). aiohttp frames any list ending in ``chunked`` (``gzip, chunked``)
+    as chunked and leaves the other codings undone: the body would be read still encoded."""
+    codings = [
+        coding.strip().lower()
+        for value in request.headers.getall(hdrs.TRANSFER_ENCODING, ())
+        for coding in value.split(",")
+    ]
+    if codings and codings != ["chunked"]:
+        raise UnsupportedTransferCoding(
+            f"unsupported 'Transfer-Encoding: {', '.join(codings)[:100]}': only 'chunked' is",
+            param=hdrs.TRANSFER_ENCODING,
+        )
+
+
 def content_coding(request: web.BaseRequest) -> str | None:
     """The body's coding (``gzip``, ``x-gzip``, ``deflate``), None for a plain body; raises
     UnsupportedMediaType (415) for any other."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiohttp import web
 
-from gateway.content_encoding import content_coding, decode_body
+from gateway.content_encoding import check_transfer_coding, content_coding, decode_body
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
 from gateway.state import CONFIG
 
@@ -61,7 +61,9 @@ def admit_body(
     """What a request's headers must pass before its body is read (and before ``Expect: 100-continue``
     invites it, ``gateway.expect``): a ``Content-Length`` within the limit (413), its route's credentials
     (``authorize``: 401, 403) and a ``Content-Encoding`` the gateway decodes (415). Returns who is
-    asking, or None when no body will be read (no route, or a route that authorizes nothing)."""
+    asking, or None when no body will be read (no route, or a route that authorizes nothing). A
+    ``Transfer-Encoding`` other than ``chunked`` is a 501 first: the body's framing is not understood."""
+    check_transfer_coding(request)
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")

@@ -127,3 +127,30 @@ async def test_a_gzip_bomb_is_a_413(served):  # noqa: F811
 async def test_a_gzip_body_that_does_not_decode_is_a_400(served, body):  # noqa: F811
     answer = await exchange(served, chat(await tenant_key(served), b"Content-Encoding: gzip\r\n", body))
     assert openai_error(answer, 400)["code"] == "invalid_body"
+
+
+def chunked(token: str, transfer_coding: bytes, body: bytes = BODY) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nAuthorization: Bearer " + token.encode() + b"\r\n"
+        b"Transfer-Encoding: "
+        + transfer_coding
+        + b"\r\n\r\n"
+        + b"%x\r\n" % len(body)
+        + body
+        + b"\r\n0\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"identity, chunked", b"foo,chunked"])
+async def test_a_transfer_coding_besides_chunked_is_a_501(served, coding):  # noqa: F811
+    """RFC 9112 §6.1: a transfer coding the server does not understand is a 501; aiohttp frames the body
+    as chunked and would hand it on still gzip-encoded (or as if 'foo' meant nothing)."""
+    answer = await exchange(served, chunked(await tenant_key(served), coding))
+    assert openai_error(answer, 501)["param"] == "Transfer-Encoding"
+
+
+async def test_a_chunked_body_is_still_read(served):  # noqa: F811
+    """Only 'chunked' passes: the request is read (and fails later only for want of a worker)."""
+    answer = await exchange(served, chunked(await tenant_key(served), b"chunked"))
+    assert openai_error(answer, 503)
