@@ -154,3 +154,20 @@ async def test_a_chunked_body_is_still_read(served):  # noqa: F811
     """Only 'chunked' passes: the request is read (and fails later only for want of a worker)."""
     answer = await exchange(served, chunked(await tenant_key(served), b"chunked"))
     assert openai_error(answer, 503)
+
+
+async def test_every_route_answers_an_unknown_expectation_with_an_openai_417(served):  # noqa: F811
+    """Routes are registered with ``expect_handler=expect_continue`` one by one: a route added without
+    it would answer aiohttp's plain-text 417 (and invite uploads before checking the key)."""
+    from gateway.app import create_app
+
+    app = create_app(served)
+    routes = {(route.method, route.resource.canonical) for route in app.router.routes()}
+    assert len(routes) > 20 and any(path.startswith("/admin/v1/") for _, path in routes)
+    for method, path in sorted(routes):
+        if method == "HEAD":
+            continue
+        path = path.replace("{", "").replace("}", "")  # {tenant_id} -> tenant_id: any id will do
+        request = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\n\r\n"
+        answer = await exchange(served, request.encode())
+        assert openai_error(answer, 417)["param"] == "Expect", (method, path)
