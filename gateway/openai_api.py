@@ -23,6 +23,7 @@ from gateway.errors import (
     ResponseFormatError,
     Unavailable,
 )
+from gateway.expect import expect_continue
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -485,9 +486,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/prompt-lint", prompt_lint)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/prompt-lint", prompt_lint, expect_handler=expect_continue)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect_continue)
+    app.router.add_get("/v1/models/{model}", get_model, expect_handler=expect_continue)
+    app.router.add_get("/healthz", healthz, expect_handler=expect_continue)
