@@ -49,7 +49,7 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.tool_calls import ToolCallParser, request_tools
-from gateway.worker_tokens import settle_worker_tokens
+from gateway.worker_tokens import refused_unstarted, settle_worker_tokens
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
@@ -114,7 +114,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.rate_headers, call.requests_counted = decision.headers("requests"), decision.counted
         yield call
     except APIError as exc:
-        call.status = exc.status
+        call.status, call.worker_refused = exc.status, refused_unstarted(call, exc)
         call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
