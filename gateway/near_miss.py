@@ -177,8 +177,15 @@ class NearMissRouting:
         segments: Sequence[NamespaceSegment],
         request: RouteRequest,
         exact_url: str,
+        *,
+        arrived_s: float | None = None,
     ) -> NearMissRoute:
-        """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
+        """The worker for this request: ``exact_url`` unless a verified near miss beats it.
+
+        ``arrived_s`` (``time.perf_counter()``, default now): when the request reached the gateway; an
+        embedding is waited for until ``arrived_s`` + ``max_wait_s`` at most, and one that comes later
+        is not used for this request."""
+        deadline_s = (time.perf_counter() if arrived_s is None else arrived_s) + self.max_wait_s
         self._observe_epoch(tenant)
         if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
@@ -197,7 +204,7 @@ class NearMissRouting:
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
-            vector = await self._embed_within_bound(head, tenant.tenant_id)
+            vector = await self._embed_within_bound(head, tenant.tenant_id, deadline_s)
             if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
                 return NearMissRoute(worker_url=exact_url, exact_tokens=None)
             late = vector is None and self.max_wait_s > 0
@@ -235,21 +242,41 @@ class NearMissRouting:
         )
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
-    async def _embed_within_bound(self, head: str, tenant_id: str) -> np.ndarray | None:
-        """The head's embedding, ahead of queued background ones; None if not ready within the bound
-        (with no bound, only an embedding already at hand: the request never waits)."""
-        vector = self.embedder.cached(head, tenant=tenant_id)
+    async def _embed_within_bound(self, head: str, tenant_id: str, deadline_s: float) -> np.ndarray | None:
+        """The head's embedding if it is at hand (no wait), or computed ahead of queued background ones
+        by ``deadline_s`` (``perf_counter``: the request's arrival + the bound); else None.
+
+        The deadline is checked when the wait ends, not left to the loop's timer alone: on a saturated
+        machine the timer fires when the loop gets a CPU, and a vector may come in after the deadline.
+        Such a vector is not used (the request goes as it would have gone at its deadline); each outcome
+        is counted (``prefixgate_near_miss_embed_waits_total``) and the overrun observed."""
+        vector = self.embedder.at_hand(head, tenant=tenant_id)
         if vector is not None or self.max_wait_s <= 0:
+            self._count_wait("at_hand" if vector is not None else "")
             return vector
         started = time.perf_counter()
+        if started >= deadline_s:  # its budget went before routing (a loaded loop, a follower's hold)
+            self._count_wait("expired")
+            return None
         job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant_id))
         try:
-            return await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
+            vector = await asyncio.wait_for(asyncio.shield(job), deadline_s - started)
         except TimeoutError:  # the job goes on: its vector lands in the LRU for _remember
+            vector = None
+        ended = time.perf_counter()
+        if self._metrics is not None:
+            self._metrics.near_miss_embed_seconds.observe(ended - started)
+            if ended > deadline_s:
+                self._metrics.near_miss_wait_overrun_seconds.observe(ended - deadline_s)
+        if vector is None or ended > deadline_s:
+            self._count_wait("late")
             return None
-        finally:
-            if self._metrics is not None:
-                self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
+        self._count_wait("in_time")
+        return vector
+
+    def _count_wait(self, outcome: str) -> None:
+        if self._metrics is not None and outcome:
+            self._metrics.near_miss_embed_waits.labels(outcome).inc()
 
     def _best(
         self,
@@ -326,7 +353,7 @@ class NearMissRouting:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
         recent.append(entry)
         if vector is None and head:
-            vector = self.embedder.cached(head, tenant=tenant.tenant_id)
+            vector = self.embedder.at_hand(head, tenant=tenant.tenant_id)
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
