@@ -8,9 +8,14 @@
 - ``now``: the gateway as it is: a head whose text or word pieces the tenant had embedded is at hand
   on the loop (``PromptEmbedder.at_hand``), and the bound is a deadline from the request's arrival,
   checked when the wait ends;
-- ``before``: the same code with the two changes of branch route9 undone in this process: only the
+  with the KV-aware router over the KV-event index, a request searches FAISS only when the index
+  cannot see what it could find (``NearMissRouting._beyond_the_index``);
+- ``before``: the same code with the three changes of branch route9 undone in this process: only the
   head's text is looked up on the loop (``PromptEmbedder.cached``; the word pieces in the embedding
-  thread, after the hand-off), and the bound counts from when near miss starts to wait.
+  thread, after the hand-off), the bound counts from when near miss starts to wait, and every request
+  the latest prompts do not cover searches FAISS;
+- ``now_no_index``: ``now`` with the rendezvous router and no KV-event index (external workers), where
+  FAISS is the only knowledge of where an older similar prompt went and every such request searches.
 (At commit a54b3c1, reverted, this bench compared an early and a late start of the embedding instead.)
 
 Measured in the gateway's process, per request of the near-miss tenants (every request here):
@@ -46,7 +51,12 @@ from gateway.embedding import PromptEmbedder
 from gateway.near_miss import NearMissRouting
 from migrations import upgrade_database
 
-MODES = {"now": {"near_miss_max_wait_ms": 15.0}, "before": {"near_miss_max_wait_ms": 15.0}}
+FAISS = {"near_miss": True, "config": {"near_miss_max_wait_ms": 15.0}}
+MODES = {
+    "now": {"router": "kv_aware", "kv_index": True, **FAISS},
+    "before": {"router": "kv_aware", "kv_index": True, **FAISS},
+    "now_no_index": {"router": "rendezvous", "kv_index": False, **FAISS},
+}
 SAMPLES: dict[str, list[float]] = {"added": [], "searched": [], "at_hand": [], "wait": [], "late": []}
 COUNTS = {"expired": 0}
 PATCHED = {"before": False}  # the mode of the pass that runs now
@@ -57,6 +67,7 @@ SUBMITTED: contextvars.ContextVar[bool] = contextvars.ContextVar("submitted", de
 def instrument() -> None:
     """Time ``route`` and the embedding wait inside it (milliseconds); undo route9 in ``before`` passes."""
     route, wait = NearMissRouting.route, NearMissRouting._embed_within_bound
+    beyond_the_index = NearMissRouting._beyond_the_index
     at_hand, embed = PromptEmbedder.at_hand, PromptEmbedder.embed
 
     def patched_at_hand(self, text, *, tenant=""):
@@ -96,6 +107,10 @@ def instrument() -> None:
             COUNTS["expired"] += 1
         return vector
 
+    def patched_beyond_the_index(self, model_id, segments):
+        return True if PATCHED["before"] else beyond_the_index(self, model_id, segments)
+
+    NearMissRouting._beyond_the_index = patched_beyond_the_index  # type: ignore[method-assign]
     PromptEmbedder.at_hand = patched_at_hand  # type: ignore[method-assign]
     PromptEmbedder.embed = patched_embed  # type: ignore[method-assign]
     NearMissRouting.route = timed_route  # type: ignore[method-assign]
@@ -105,13 +120,7 @@ def instrument() -> None:
 async def main_async(args) -> dict:
     instrument()
     routing_bench.embedding_cost = lambda embedder, heads: {}  # bench.embedding measures the model alone
-    for mode, config in MODES.items():
-        routing_bench.POLICIES[mode] = {
-            "router": "kv_aware",
-            "kv_index": True,
-            "near_miss": True,
-            "config": config,
-        }
+    routing_bench.POLICIES.update(MODES)
     num = 150 if args.quick else args.requests
     rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp_name, Progress() as progress:
@@ -124,7 +133,7 @@ async def main_async(args) -> dict:
                     requests = routing_bench.workload(
                         "near_duplicate", num, seed, prompts_per_tenant=args.prompts_per_tenant
                     )
-                    for mode in MODES if rep % 2 == 0 else reversed(MODES):  # alternate which goes first
+                    for mode in list(MODES) if rep % 2 == 0 else reversed(MODES):  # alternate the order
                         for samples in SAMPLES.values():
                             samples.clear()
                         COUNTS["expired"] = 0

@@ -135,7 +135,8 @@ class GatewayMetrics:
             "prefixgate_near_miss_embed_waits",
             "Near-miss FAISS searches by how the head's embedding came: at_hand (cached by text or word "
             "pieces, no wait), in_time, late (not ready by the request's arrival + near_miss_max_wait_ms: "
-            "routed without it), expired (that deadline had passed before the wait began: no wait)",
+            "routed without it), expired (that deadline had passed before the wait began: no wait), "
+            "indexed (not searched: the KV-event index sees whatever FAISS could find)",
             ["outcome"],
             registry=r,
         )

@@ -65,6 +65,7 @@ class Remembered:
     worker_url: str
     own_key: bytes  # the key it is indexed under (its last segment's)
     tenant_id: str  # whose prompt it is: every `shared` tenant's key is the global one
+    routed_s: float = 0.0  # time.monotonic() when it was routed
 
 
 class NamespaceVectors:
@@ -140,10 +141,17 @@ class NearMissRouting:
         findings: LocalFindings | RedisFindings | None = None,
         policies: PolicySource | None = None,
         sweep_s: float = 1.0,
+        exact_index_live: bool = False,
+        in_flight_s: float = 2.0,
     ) -> None:
         """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own).
         ``policies``: the tenant policies in force (``tenancy.cache.PolicyCache``); every ``sweep_s``
-        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here."""
+        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here.
+        ``exact_index_live``: the exact route is the KV-aware router's over the KV-event index, which
+        sees every stored block a FAISS nominee could lend; FAISS can then add only a prompt still being
+        prefilled (not stored yet) that is no longer among the latest, so it is searched only when the
+        latest prompts were all routed within ``in_flight_s`` (the router's own bound on a prefill,
+        ``leader_hold_s``): a burst larger than the latest prompts hold."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -167,6 +175,8 @@ class NearMissRouting:
         self._policies = policies
         self._sweep_s = sweep_s
         self._sweeper: asyncio.Task | None = None
+        self.exact_index_live = exact_index_live
+        self.in_flight_s = in_flight_s
 
     # ---- the routing decision ------------------------------------------------------------------
     async def route(
@@ -203,7 +213,11 @@ class NearMissRouting:
         nominees = self._recent_of(model.model_id, segments)
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
-        if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
+        if (
+            (best is None or best[0] < self.min_blocks)
+            and self._searchable(model.model_id, segments)
+            and self._beyond_the_index(model.model_id, segments)
+        ):
             vector = await self._embed_within_bound(head, tenant.tenant_id, deadline_s)
             if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
                 return NearMissRoute(worker_url=exact_url, exact_tokens=None)
@@ -310,6 +324,20 @@ class NearMissRouting:
         """Whether any of the request's namespace keys has remembered prompts (else nothing to find)."""
         return any(self._vectors.get((model_id, bytes(seg.key))) for seg in segments)
 
+    def _beyond_the_index(self, model_id: str, segments: Sequence[NamespaceSegment]) -> bool:
+        """Whether FAISS may find what neither the exact index nor the latest prompts show (see
+        ``exact_index_live``): always without a live index; with one, only while some key's latest
+        prompts are full and were all routed within ``in_flight_s`` (an older one may still be in flight)."""
+        if not self.exact_index_live:
+            return True
+        now = time.monotonic()
+        for key in {bytes(seg.key) for seg in segments}:
+            recent = self._recent.get((model_id, key))
+            if recent and len(recent) == recent.maxlen and now - recent[0].routed_s < self.in_flight_s:
+                return True
+        self._count_wait("indexed")
+        return False
+
     def _search(
         self, model_id: str, segments: Sequence[NamespaceSegment], vector: np.ndarray
     ) -> list[tuple[float, Remembered]]:
@@ -347,6 +375,7 @@ class NearMissRouting:
             worker_url=url,
             own_key=own_key,
             tenant_id=tenant.tenant_id,
+            routed_s=time.monotonic(),
         )
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
