@@ -63,7 +63,8 @@ async def run_passes(args) -> dict[str, dict[str, list[dict]]]:
                             row.pop("embedding", None)
                             row["seed"], row["pass"] = seed, rep
                             rows[kind][name].append(row)
-                            progress.console.print(f"{kind} {name} s{seed}r{rep}: {json.dumps(row)}")
+                            brief = {k: v for k, v in row.items() if not isinstance(v, list)}
+                            progress.console.print(f"{kind} {name} s{seed}r{rep}: {json.dumps(brief)}")
     return rows
 
 

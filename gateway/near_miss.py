@@ -15,9 +15,13 @@ FAISS is on only with a wait bound (``max_wait_s`` > 0; default 0): then cold pr
 in the background (``gateway.embedding``, its own thread) into a FAISS inner-product index per key, and
 a request whose latest prompts share too little, in a namespace with vectors to search, waits at most
 ``max_wait_s`` for its head's embedding (ahead of queued background ones) and nominates its nearest
-too. Embeddings never decide reuse. Without a bound nothing is embedded and no request waits: measured
-on ``bench.routing``, with the KV-event index on, FAISS found nothing the latest prompts had not, and its
-embeddings took CPU from the workers (docs/routing.md).
+too. The bound is a deadline from the request's arrival, checked when the wait ends; a head the tenant
+already embedded (text or word pieces) is at hand without a wait; and with the KV-aware router over the
+KV-event index, which sees every stored block a nominee could lend, a request searches only while the
+latest prompts may not reach back to every prompt still in flight. Embeddings never decide reuse.
+Without a bound nothing is embedded and no request waits: measured on ``bench.routing``, with the
+KV-event index on, FAISS found nothing the latest prompts had not, and its embeddings took CPU from the
+workers (docs/routing.md).
 
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
 canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
