@@ -114,7 +114,7 @@ async def purge_tenant(request: web.Request) -> web.Response:
         raise shared_cache_conflict(tenant_id, "; then purge erases what it caches from then on.")
     epoch = await repository.invalidate(tenant_id)
     await request.config_dict[POLICY_CACHE].reload()
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
     result, failure = await purge_namespace_of(request, tenant_id, epoch)
     if failure is not None:
         return failure

@@ -6,6 +6,8 @@ stream fails is dropped from the index at once, so no request is routed for a ca
 it; a restarted worker (new ``worker_id``) is read again from its first event. A worker whose ring
 no longer holds the events after that answers with a snapshot of its state in pages, asked for one
 after another (``snapshot=<cursor>``), then the events after the snapshot (``worker.kv_events``).
+A malformed batch, or an answer over ``kv_events_max_bytes`` (read no further), drops the worker from
+the index the same way (logged, counted in ``prefixgate_kv_event_batches_refused_total``).
 
 With a ``RedisKVRelay`` (several replicas) only the replica holding a worker's lease polls it and
 publishes what it applies; the others apply the published batches (``gateway.kv_relay``). If Redis
@@ -21,6 +23,8 @@ from typing import Any
 
 from gateway.kv_index import PrefixIndex
 from gateway.kv_relay import RedisKVRelay
+from gateway.metrics import GatewayMetrics
+from gateway.upstream import KVEventsTooLarge
 from gateway.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -35,8 +39,10 @@ class KVEventConsumer:
         relay: RedisKVRelay | None = None,
         wait_ms: int = 1000,
         retry_s: float = 0.5,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._pool = pool
+        self._metrics = metrics
         self._index = index
         self._relay = relay
         self._wait_ms = wait_ms
@@ -81,6 +87,11 @@ class KVEventConsumer:
                 )
             except asyncio.CancelledError:
                 raise
+            except KVEventsTooLarge as exc:
+                log.warning("%s from %s: dropped from the routing index", exc, url)
+                self._refused("too_large")
+                self._index.drop(url)
+                return None
             except Exception as exc:
                 if url in self._index.workers:
                     log.info("KV events of %s unavailable (%s): dropped from the routing index", url, exc)
@@ -103,8 +114,13 @@ class KVEventConsumer:
             log.warning("malformed KV-event batch from %s (%r): dropped from the routing index", url, exc)
             self._index.drop(url)
             self.num_malformed_batches += 1
+            self._refused("malformed")
             return False
         return True
+
+    def _refused(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.kv_event_batches_refused.labels(reason).inc()
 
     async def _follow(self, url: str) -> None:
         if self._relay is None:

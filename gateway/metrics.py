@@ -131,6 +131,13 @@ class GatewayMetrics:
             buckets=(*OVERHEAD_BUCKETS_S, 0.25, 0.5, 1.0),
             registry=r,
         )
+        self.kv_event_batches_refused = Counter(
+            "prefixgate_kv_event_batches_refused",
+            "Worker KV-event answers refused (malformed, or over kv_events_max_bytes): the worker was "
+            "dropped from the routing index and is read again from its first event",
+            ["reason"],
+            registry=r,
+        )
         self.near_miss_embed_waits = Counter(
             "prefixgate_near_miss_embed_waits",
             "Near-miss FAISS searches by how the head's embedding came: at_hand (cached by text or word "
