@@ -202,6 +202,8 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         max_wait_s=config.near_miss_max_wait_ms / 1000,
         findings=findings,
         policies=app[POLICY_CACHE],
+        # The KV-aware router over the KV-event index: FAISS only for what the index cannot see yet.
+        exact_index_live=config.kv_index and config.router == "kv_aware",
     )
     pipeline = RequestPipeline(
         pool=pool,

@@ -129,6 +129,22 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.near_miss_embed_waits = Counter(
+            "prefixgate_near_miss_embed_waits",
+            "Near-miss FAISS searches by how the head's embedding came: at_hand (cached by text or word "
+            "pieces, no wait), in_time, late (not ready by the request's arrival + near_miss_max_wait_ms: "
+            "routed without it), expired (that deadline had passed before the wait began: no wait), "
+            "indexed (not searched: the KV-event index sees whatever FAISS could find)",
+            ["outcome"],
+            registry=r,
+        )
+        self.near_miss_wait_overrun_seconds = Histogram(
+            "prefixgate_near_miss_wait_overrun_seconds",
+            "How far past its deadline a late near-miss embedding wait ended (the bound's timer fires "
+            "when the event loop gets a CPU)",
+            buckets=OVERHEAD_BUCKETS_S,
+            registry=r,
+        )
         self.policy_age = Gauge(
             "prefixgate_policy_snapshot_age_seconds",
             "Seconds since the policy cache was last checked",

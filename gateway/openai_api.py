@@ -293,6 +293,7 @@ async def _serve(
         x_request_id=call.request_id,
         # Before routing (a refused request places nothing); OpenAI counts all n choices' max_tokens too.
         check_tokens=functools.partial(check_worker_tokens, request, call),
+        arrived_s=call.started_s,
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)

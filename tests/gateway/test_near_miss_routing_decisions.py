@@ -138,6 +138,9 @@ class GatedEmbedder:
     def cached(self, head: str, *, tenant: str = "") -> None:
         return None
 
+    def at_hand(self, head: str, *, tenant: str = "") -> None:
+        return None
+
     async def embed(self, head: str, *, urgent: bool = True, tenant: str = "") -> np.ndarray:
         if urgent:
             self.entered.set()
