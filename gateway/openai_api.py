@@ -343,7 +343,9 @@ async def _stream(
                     index, event = item
                     if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
                         call.prompt_usage = event["usage"]
-                    held[index] = held.get(index, 0) + len(event.get("token_ids") or ())
+                    num_new = len(event.get("token_ids") or ())
+                    call.generated_tokens += num_new  # the tokens per minute's, delivered or not
+                    held[index] = held.get(index, 0) + num_new
                     if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
                         with _formatting(call):
                             chunk = writer.delta(event.get("text") or "", index, event.get("logprobs"))
