@@ -465,7 +465,13 @@ class NearMissRouting:
             tokens_after=int(len(tokens) - lcp),
             seen_at=time.time(),
         )
-        self._spawn(self._findings.record(tenant.tenant_id, span))  # Redis, if any, stays off the path
+        self._spawn(self._keep_finding(tenant, span))  # Redis, if any, stays off the path
+
+    async def _keep_finding(self, tenant: TenantPolicy, span: DivergingSpan) -> None:
+        """Record a finding in the background, unless its tenant was forgotten since it was found (a
+        forget may run before this task does); Redis refuses it if a forget there is newer."""
+        if not self._stale(tenant.tenant_id, tenant.epoch):
+            await self._findings.record(tenant.tenant_id, span, epoch=tenant.epoch)
 
     async def findings(self, tenant_id: str) -> list[dict[str, Any]]:
         """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
@@ -484,7 +490,7 @@ class NearMissRouting:
         if epoch is not None:
             self._epoch_of[tenant_id] = max(epoch, known if known is not None else epoch)
         self._forget_local(tenant_id)
-        await self._findings.forget(tenant_id)
+        await self._findings.forget(tenant_id, epoch=epoch)
 
     def _stale(self, tenant_id: str, epoch: int) -> bool:
         """Whether something prepared at ``epoch`` is from before the tenant's latest purge, or its
