@@ -1,6 +1,6 @@
 """The tokens-per-minute window of a bundled-worker request, corrected once the answer is known.
 
-The check (``openai_api.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
+The check (``tenant_calls.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
 does; the worker usually generates fewer. Once the request ends, its window is corrected to what the
 worker did: the prompt (when a worker took the request: not when every worker shed it unstarted or
 refused it as invalid, ``refused_unstarted``) plus the completion tokens generated (the worker's usage)
