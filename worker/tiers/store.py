@@ -572,6 +572,8 @@ class TieredStore:
         for reader in self._readers:
             reader.join(timeout=30)
         self.copier.close()
+        if self.disk is not None:
+            self.disk.close()  # after the flush and the writer: its directory may be used by another now
 
     def remote_tier(self) -> dict[str, Any] | None:
         """The shared Redis tier as KV-event consumers see it: its id, how long a block lives unread and
