@@ -81,6 +81,28 @@ local total = tonumber(redis.call('GET', KEYS[3]) or '0')
     + _evict_oldest("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]")
     + "return evicted\n"
 )
+# A purge erases a chunk of a namespace's keys in one call (a round trip per chunk, not two per key):
+# each key is deleted and unbooked from every LRU it may be booked in (the shared one and the owner's
+# partition: KEYS[1 .. 3 * ARGV[1]], three keys per book), its size taken off that book's byte count.
+_ERASE_SCRIPT = """
+local num_books = tonumber(ARGV[1])
+local erased = {}
+for i = 3 * num_books + 1, #KEYS do
+  local key = KEYS[i]
+  if redis.call('DEL', key) == 1 then erased[#erased + 1] = key end
+  for b = 0, num_books - 1 do
+    local size = redis.call('HGET', KEYS[3 * b + 2], key)
+    if size then
+      redis.call('HDEL', KEYS[3 * b + 2], key)
+      redis.call('DECRBY', KEYS[3 * b + 3], size)
+    end
+    redis.call('ZREM', KEYS[3 * b + 1], key)
+  end
+end
+return erased
+"""
+PURGE_SCAN_COUNT = 1000  # keys SCAN looks at per call
+PURGE_CHUNK_KEYS = 256  # keys one erase call takes (Redis runs a script alone: keep each one short)
 # A quota partition whose quota shrank (another dedicated owner asked) or went is trimmed to its new quota
 # (0: emptied) before this worker's next write, as the put script trims: oldest first.
 
@@ -141,6 +163,7 @@ class RemoteTier:
         self._put = self.client.register_script(_PUT_SCRIPT)
         self._touch = self.client.register_script(_TOUCH_SCRIPT)
         self._trim = self.client.register_script(_TRIM_SCRIPT)
+        self._erase = self.client.register_script(_ERASE_SCRIPT)
         # Held from a read's TTL refresh to its "stored" events, and from a purge's delete to its "removed"
         # events: this worker never announces a block stored after it announced its purge.
         self._announce_lock = threading.Lock()
@@ -391,28 +414,22 @@ class RemoteTier:
             RemoteUnavailable: Redis failed part-way; some blocks may remain (a retry is safe).
         """
         erased = 0
+        books = [self._lru, self._sizes, self._total, *self._partition(namespace_id)]
+        head = f"{self.prefix}:{namespace_id}:"
+        cursor = 0
         try:
-            partition = f"{self.prefix}:~quota:{namespace_id}"
-            books = [(self._lru, self._sizes, self._total)]
-            books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
-            head = f"{self.prefix}:{namespace_id}:"
-            for key in self.client.scan_iter(match=_glob_escape(head) + "*", count=500):
-                if not _is_block_key(key, head):  # e.g. "<ns>:x:<hash>" of namespace "<ns>:x"
-                    continue
-                pipe = self.client.pipeline()
-                pipe.delete(key)
-                for lru, sizes, _ in books:  # the block may be booked in the shared LRU or the owner's
-                    pipe.hget(sizes, key)
-                    pipe.zrem(lru, key)
-                    pipe.hdel(sizes, key)
-                with self._announce_lock:
-                    deleted, *rest = pipe.execute()
-                    if deleted:
-                        self._announce_removed([key])
-                for (_, _, total), size in zip(books, rest[0::3], strict=True):
-                    if size:
-                        self.client.decrby(total, int(size))
-                erased += int(deleted)
+            while True:  # one SCAN call per page, one erase call per chunk of the keys it found
+                cursor, found = self.client.scan(
+                    cursor, match=_glob_escape(head) + "*", count=PURGE_SCAN_COUNT
+                )
+                keys = [key for key in found if _is_block_key(key, head)]  # not "<ns>:x:<hash>" of "<ns>:x"
+                for start in range(0, len(keys), PURGE_CHUNK_KEYS):
+                    with self._announce_lock:
+                        gone = self._erase(keys=[*books, *keys[start : start + PURGE_CHUNK_KEYS]], args=[2])
+                        self._announce_removed(gone)
+                    erased += len(gone)
+                if not cursor:
+                    break
         except ERRORS as exc:
             self._failed(exc)
             raise RemoteUnavailable(f"Redis failed after erasing {erased} blocks: {exc}") from exc
