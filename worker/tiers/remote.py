@@ -34,6 +34,7 @@ from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import Codec, entry_codec, get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
+from worker.tiers.remote_quotas import SharedRequests
 
 log = logging.getLogger("prefixgate.worker.remote")
 
@@ -142,6 +143,8 @@ class RemoteTier:
         pause_after_error_s: float = 5.0,
         cipher: AtRestCipher | None = None,
         events: TierEvents | None = None,
+        reservation_sync_s: float = 1.0,
+        reservation_lease_s: float = 60.0,
     ) -> None:
         self.events = events
         self.tier_id: str | None = None  # shared by every worker of this model on this Redis (identify)
@@ -167,7 +170,11 @@ class RemoteTier:
         # Held from a read's TTL refresh to its "stored" events, and from a purge's delete to its "removed"
         # events: this worker never announces a block stored after it announced its purge.
         self._announce_lock = threading.Lock()
-        self._requested: dict[str, int] = {}  # dedicated namespace -> bytes its reservation asks for
+        # Dedicated namespaces' requests, this worker's and the other workers' (kept in Redis): the quotas
+        # are granted from all of them, so workers together never reserve more than half the budget.
+        self.requests = SharedRequests(
+            self.client, self.prefix, sync_s=reservation_sync_s, lease_s=reservation_lease_s
+        )
         self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition (granted)
         self._shrunk: set[str] = set()  # partitions to trim to their (smaller) quota before the next write
         self._quota_lock = threading.Lock()
@@ -215,22 +222,41 @@ class RemoteTier:
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
         """Ask for a dedicated owner's own LRU partition of up to ``num_bytes`` (0: none any more), which
-        others' writes never evict.
+        others' writes never evict (engine thread: no Redis I/O; the writer publishes it).
 
-        The quotas granted are max-min fair shares of half the budget among the owners asking (this
-        worker's view), and the shared LRU keeps the rest: quotas and shared limit together never exceed
-        ``budget_bytes``. A partition whose quota shrinks or goes is trimmed before the next write.
+        The quotas granted are max-min fair shares of half the budget among the owners asking, on every
+        worker of this model sharing the Redis (``remote_quotas``), and the shared LRU keeps the rest:
+        quotas and shared limit together never exceed ``budget_bytes``. A partition whose quota shrinks or
+        goes is trimmed before the next write.
         """
-        if self._requested.get(namespace_id, 0) == max(0, num_bytes):
-            return  # (every request of a dedicated tenant sets it again)
-        if num_bytes > 0:
-            self._requested[namespace_id] = num_bytes
-        else:
-            self._requested.pop(namespace_id, None)
+        if self.requests.ask(namespace_id, num_bytes):  # (every request of a dedicated tenant sets it again)
+            self._grant()
+
+    def sync_reservations(self) -> None:
+        """Publish this worker's requests and read the other workers' when due (writer thread; at most
+        every ``reservation_sync_s`` unless this worker's requests changed). Raises redis errors."""
+        if self.requests.due:
+            self.requests.sync()
+            self._grant()
+
+    def renew_reservations(self) -> None:
+        """While this worker writes nothing (writer thread, idle): renew its requests' leases, so other
+        workers keep counting them; errors pause the tier as a write's would."""
+        if not self.requests.mine or not self.available:
+            return
+        try:
+            self.requests.sync()
+        except ERRORS as exc:
+            self._failed(exc)
+            return
+        self._grant()
+
+    def _grant(self) -> None:
         with self._quota_lock:
-            before, self._quotas = self._quotas, max_min_shares(self._requested, self.budget_bytes // 2)
+            before, self._quotas = self._quotas, max_min_shares(self.requests.asked(), self.budget_bytes // 2)
             self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
-        self._bound_events()
+        if self._quotas != before:
+            self._bound_events()
 
     def _partition(self, namespace_id: str) -> list[str]:
         part = f"{self.prefix}:~quota:{namespace_id}"
@@ -277,6 +303,7 @@ class RemoteTier:
         payloads = self.codec.encode(torch.stack([b.data for b in blocks]))
         now_ms = int(time.time() * 1000)
         try:
+            self.sync_reservations()
             trimmed = self._trim_shrunk() if self._shrunk else []
             pipe = self.client.pipeline(transaction=False)
             for block, data in zip(blocks, payloads, strict=True):

@@ -285,8 +285,14 @@ class TieredStore:
             self.dropped_demotions += len(blocks)
 
     def _write_loop(self) -> None:
+        # Idle, the writer still renews this worker's Redis reservation leases (other workers count them).
+        renew_s = self.remote.requests.lease_ms / 4000 if self.remote is not None else None
         while True:
-            item = self._writes.get()
+            try:
+                item = self._writes.get(timeout=renew_s)
+            except queue.Empty:
+                self.remote.renew_reservations()
+                continue
             if item is None:
                 self._writes.task_done()
                 return
