@@ -396,20 +396,24 @@ class DiskTier:
         return written
 
     def _ensure_dir(self) -> None:
-        """Recreate the tier's directory if it was deleted under us; the files it held are forgotten."""
-        if self.dir.is_dir():
+        """Recreate the tier's directory if it was deleted under us (the files it held are forgotten) and
+        hold it again; OSError (EBUSY) while another worker of this model holds the new one."""
+        if self._lock_fd is not None and self.dir.is_dir():
             return
-        with self._lock:
-            lost = list(self.files)
-            for file_id in lost:
-                self._drop(file_id, unlink=False)
-        self.close()  # the lock file went with it: hold the new directory
+        if self._lock_fd is not None:  # deleted under us, its lock file with it
+            with self._lock:
+                lost = list(self.files)
+                for file_id in lost:
+                    self._drop(file_id, unlink=False)
+            self.close()
+            self.counters["dir_recreated_total"] += 1
+            log.warning(
+                "disk tier directory %s was gone: recreating it, %d files forgotten", self.dir, len(lost)
+            )
         try:
             self._lock_fd = disk_lock.hold(self.dir, mode=DIR_MODE, wait_s=0)
-        except disk_lock.DiskInUse as exc:  # another worker of this model took it meanwhile: not ours now
+        except disk_lock.DiskInUse as exc:  # taken by another worker of this model meanwhile: not ours now
             raise OSError(errno.EBUSY, str(exc)) from None
-        self.counters["dir_recreated_total"] += 1
-        log.warning("disk tier directory %s was gone: recreated it, %d files forgotten", self.dir, len(lost))
 
     def _write_run(self, run: list[DemotedBlock]) -> int:
         self._ensure_dir()

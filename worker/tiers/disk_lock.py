@@ -57,8 +57,10 @@ def hold(directory: Path, *, mode: int, wait_s: float = 2.0) -> int:
         directory.mkdir(parents=True, exist_ok=True, mode=mode)
         try:
             fd = _lock(directory / LOCK_NAME)
-        except FileNotFoundError:
-            continue  # dropped under us (it was another model's or stale): make it again
+        except FileNotFoundError:  # dropped under us (it was another model's or stale): make it again
+            if time.monotonic() >= deadline + 5.0:
+                raise
+            continue
         if fd is not None:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
