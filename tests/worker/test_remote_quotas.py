@@ -66,3 +66,40 @@ def test_a_gone_workers_requests_lapse_and_its_owners_partition_is_trimmed(kv_re
     live.set_reservation("t-y", 0)  # a released request leaves the table with the next sync
     live.put([_demoted("t-s", 7)])
     assert not live.client.hlen(live.requests.keys[0]) and live._quotas == {}
+
+
+async def test_two_engines_serving_different_dedicated_tenants_agree_on_the_quotas(make_engine, kv_redis_url):
+    from tests.worker.conftest import greedy, prompt_of, run
+    from tests.worker.test_engine_reservations import seg
+
+    per_block = make_engine(num_blocks=64).store.bytes_per_block
+    first, second = (
+        make_engine(
+            num_blocks=24, l2_bytes=4 * per_block, remote_url=kv_redis_url, remote_bytes=40 * per_block
+        )
+        for _ in range(2)
+    )
+
+    async def traffic(engine, ns: str, seed: int, count: int) -> None:
+        for i in range(count):  # new prompts: older blocks go down L1 -> L2 -> Redis (writes sync the quotas)
+            await run(
+                engine,
+                f"{ns}-{seed}-{i}",
+                prompt_of(seed + i, 80),
+                params=greedy(2),
+                segs=seg(ns, ns.encode() * 8, 20),
+            )
+        engine.store.wait_for_writes()
+
+    await traffic(first, "t-x", 100, 8)
+    await traffic(second, "t-y", 200, 8)
+    time.sleep(1.2)  # each worker reads the others' requests at least once a second while it writes
+    await traffic(first, "t-x", 300, 8)
+    await traffic(second, "t-y", 400, 8)
+    quarter = first.store.remote.budget_bytes // 4
+    assert (
+        first.store.remote.counters["blocks_written_total"]
+        and second.store.remote.counters["blocks_written_total"]
+    )
+    # Before: each engine granted its own tenant the whole reservable half (and kept a half for the rest).
+    assert first.store.remote._quotas == second.store.remote._quotas == {"t-x": quarter, "t-y": quarter}
