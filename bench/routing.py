@@ -20,7 +20,9 @@ Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`
   block positions drawn once per prompt, uniformly from block 1 to its last block; every request fills
   them with its own 8 tokens (so it shares exactly the blocks before the first field with its
   siblings), and requests come in bursts of 4–8 of one template. Only templates whose first field
-  falls inside the router's 4-block affinity window scatter under the cold hash.
+  falls inside the router's 4-block affinity window scatter under the cold hash;
+- ``near_duplicate_early`` (``bench.near_miss_gain`` only): the same, with every template's first field
+  in block 1–3, inside that window: the siblings that only near miss can bring together.
 
 Closed loop with ``--concurrency`` clients. Hit ratio = cached prompt tokens / prompt tokens; goodput =
 requests per second whose TTFT met ``--slo-ms``; process CPU per request = this process's CPU time
@@ -114,13 +116,17 @@ def workload(kind: str, num_requests: int, seed: int, num_tenants: int = 6, prom
     fields = [
         [sorted(field_rng.sample(range(1, len(s) // BLOCK), 2)) for s in by_tenant] for by_tenant in systems
     ]
+    if kind == "near_duplicate_early":  # the first field inside the cold route's 4-block affinity window
+        early_rng = random.Random(seed + 2)
+        fields = [[[early_rng.randint(1, 3), f[1] if f[1] > 3 else 4] for f in by] for by in fields]
+    near_duplicate = kind.startswith("near_duplicate")
     requests: list[Request] = []
     while len(requests) < num_requests:
         tenant, which = zipf_pick(rng, num_tenants), zipf_pick(rng, prompts_per_tenant)
-        burst = rng.randint(4, 8) if kind == "near_duplicate" else 1
+        burst = rng.randint(4, 8) if near_duplicate else 1
         for _ in range(burst):
             system = systems[tenant][which]
-            if kind == "near_duplicate":
+            if near_duplicate:
                 filled: list[int] = []
                 start = 0
                 for block in fields[tenant][which]:
@@ -252,8 +258,12 @@ async def run_policy(
     prompt = sum(u.get("prompt_tokens", 0) for _, u in results)
     cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for _, u in results)
     near = sum(u.get("prefixgate", {}).get("near_miss_tokens", 0) for _, u in results)
+    if getattr(args, "keep_ttfts", False):  # bench.near_miss_gain pools passes
+        extra["ttfts_ms"] = [round(x, 2) for x in ttfts]
     return {
         "hit_ratio": round(cached / max(1, prompt), 4),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
         "ttft_p50_ms": round(percentile(ttfts, 50), 1),
         "ttft_p99_ms": round(percentile(ttfts, 99), 1),
         "goodput_rps": round(sum(t <= args.slo_ms for t in ttfts) / elapsed, 2),

@@ -18,9 +18,11 @@ from gateway.errors import (
     NotFoundError,
     PermissionDenied,
 )
+from gateway.expect import expect_continue
 from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
 from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
+from gateway.slow_clients import request_body
 from gateway.state import CONFIG, NEAR_MISS, POLICY_CACHE, REPOSITORY, WORKER_POOL
 from policies.isolation import tenant_namespace_id
 from tenancy.keys import tokens_equal
@@ -87,7 +89,7 @@ def _no_nul(value: Any, where: str) -> None:
 
 
 async def _admin_body(request: web.Request) -> dict[str, Any]:
-    body = await read_json(await request.read())
+    body = await read_json(await request_body(request))
     _no_nul(body, "")
     return body
 
@@ -180,7 +182,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
     else:
         epoch = await repository.invalidate(tenant_id)  # nothing cached from now on is reusable
         await _changed(request)
-        await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)
+        await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)
         result, failure = await admin_cache.purge_namespace_of(request, tenant_id, epoch)
         if failure is not None:
             return failure
@@ -198,7 +200,7 @@ async def invalidate_tenant(request: web.Request) -> web.Response:
         raise admin_cache.shared_cache_conflict(tenant_id, ".")
     epoch = await repository.invalidate(tenant_id)
     await _changed(request)
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
     return web.json_response({"id": tenant_id, "object": "tenant", "epoch": epoch, "invalidated": True})
 
 
@@ -269,22 +271,22 @@ async def workers_status(request: web.Request) -> web.Response:
 def create_admin_app() -> web.Application:
     admin = web.Application(middlewares=[admin_auth_middleware])
     r = admin.router
-    r.add_post("/tenants", create_tenant)
-    r.add_get("/tenants", list_tenants)
-    r.add_get("/tenants/{tenant_id}", get_tenant)
-    r.add_patch("/tenants/{tenant_id}", update_tenant)
-    r.add_delete("/tenants/{tenant_id}", delete_tenant)
-    r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant)
-    r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings)
-    r.add_get("/namespace-secret", namespace_secret_status)
-    r.add_post("/namespace-secret/rotate", rotate_namespace_secret)
-    r.add_get("/tenants/{tenant_id}/keys", list_keys)
-    r.add_post("/tenants/{tenant_id}/keys", create_key)
-    r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key)
-    r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key)
-    r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key)
-    r.add_get("/audit", audit_log)
-    r.add_get("/workers", workers_status)
+    r.add_post("/tenants", create_tenant, expect_handler=expect_continue)
+    r.add_get("/tenants", list_tenants, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}", get_tenant, expect_handler=expect_continue)
+    r.add_patch("/tenants/{tenant_id}", update_tenant, expect_handler=expect_continue)
+    r.add_delete("/tenants/{tenant_id}", delete_tenant, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings, expect_handler=expect_continue)
+    r.add_get("/namespace-secret", namespace_secret_status, expect_handler=expect_continue)
+    r.add_post("/namespace-secret/rotate", rotate_namespace_secret, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}/keys", list_keys, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys", create_key, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key, expect_handler=expect_continue)
+    r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key, expect_handler=expect_continue)
+    r.add_get("/audit", audit_log, expect_handler=expect_continue)
+    r.add_get("/workers", workers_status, expect_handler=expect_continue)
     admin_cache.add_routes(admin)
     admin_reports.add_routes(admin)
     return admin

@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import ConflictError, UpstreamError
+from gateway.expect import expect_continue
 from gateway.purge import PurgeResult, purge_namespace
 from gateway.state import (
     CONFIG,
@@ -114,7 +115,7 @@ async def purge_tenant(request: web.Request) -> web.Response:
         raise shared_cache_conflict(tenant_id, "; then purge erases what it caches from then on.")
     epoch = await repository.invalidate(tenant_id)
     await request.config_dict[POLICY_CACHE].reload()
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
     result, failure = await purge_namespace_of(request, tenant_id, epoch)
     if failure is not None:
         return failure
@@ -122,7 +123,9 @@ async def purge_tenant(request: web.Request) -> web.Response:
 
 
 def add_routes(admin: web.Application) -> None:
-    admin.router.add_get("/hot-prefixes", list_hot_prefixes)
-    admin.router.add_get("/hot-prefixes/{hot_prefix_id}", get_hot_prefix)
-    admin.router.add_delete("/hot-prefixes/{hot_prefix_id}", revoke_hot_prefix)
-    admin.router.add_post("/tenants/{tenant_id}/purge", purge_tenant)
+    admin.router.add_get("/hot-prefixes", list_hot_prefixes, expect_handler=expect_continue)
+    admin.router.add_get("/hot-prefixes/{hot_prefix_id}", get_hot_prefix, expect_handler=expect_continue)
+    admin.router.add_delete(
+        "/hot-prefixes/{hot_prefix_id}", revoke_hot_prefix, expect_handler=expect_continue
+    )
+    admin.router.add_post("/tenants/{tenant_id}/purge", purge_tenant, expect_handler=expect_continue)

@@ -15,9 +15,13 @@ FAISS is on only with a wait bound (``max_wait_s`` > 0; default 0): then cold pr
 in the background (``gateway.embedding``, its own thread) into a FAISS inner-product index per key, and
 a request whose latest prompts share too little, in a namespace with vectors to search, waits at most
 ``max_wait_s`` for its head's embedding (ahead of queued background ones) and nominates its nearest
-too. Embeddings never decide reuse. Without a bound nothing is embedded and no request waits: measured
-on ``bench.routing``, with the KV-event index on, FAISS found nothing the latest prompts had not, and its
-embeddings took CPU from the workers (docs/routing.md).
+too. The bound is a deadline from the request's arrival, checked when the wait ends; a head the tenant
+already embedded (text or word pieces) is at hand without a wait; and with the KV-aware router over the
+KV-event index, which sees every stored block a nominee could lend, a request searches only while the
+latest prompts may not reach back to every prompt still in flight. Embeddings never decide reuse.
+Without a bound nothing is embedded and no request waits: measured on ``bench.routing``, with the
+KV-event index on, FAISS found nothing the latest prompts had not, and its embeddings took CPU from the
+workers (docs/routing.md).
 
 The diverging span of a near miss (where the two prompts part) is kept per tenant as a candidate
 canonicalization rule (``/v1/prompt-lint``, the admin API), shared by replicas through Redis when
@@ -65,6 +69,8 @@ class Remembered:
     worker_url: str
     own_key: bytes  # the key it is indexed under (its last segment's)
     tenant_id: str  # whose prompt it is: every `shared` tenant's key is the global one
+    epoch: int = 0  # its tenant's epoch when it was prepared (older than the newest: purged since)
+    routed_s: float = 0.0  # time.monotonic() when it was routed
 
 
 class NamespaceVectors:
@@ -140,10 +146,17 @@ class NearMissRouting:
         findings: LocalFindings | RedisFindings | None = None,
         policies: PolicySource | None = None,
         sweep_s: float = 1.0,
+        exact_index_live: bool = False,
+        in_flight_s: float = 2.0,
     ) -> None:
         """``findings``: a ``LocalFindings`` or ``RedisFindings`` store (default: this replica's own).
         ``policies``: the tenant policies in force (``tenancy.cache.PolicyCache``); every ``sweep_s``
-        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here."""
+        the tenants whose epoch moved or who were deleted, through any replica, are forgotten here.
+        ``exact_index_live``: the exact route is the KV-aware router's over the KV-event index, which
+        sees every stored block a FAISS nominee could lend; FAISS can then add only a prompt still being
+        prefilled (not stored yet) that is no longer among the latest, so it is searched only when the
+        latest prompts were all routed within ``in_flight_s`` (the router's own bound on a prefill,
+        ``leader_hold_s``): a burst larger than the latest prompts hold."""
         self.embedder = embedder
         self._metrics = metrics
         self.min_blocks = min_blocks
@@ -157,16 +170,19 @@ class NearMissRouting:
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
-        # Which (model, key) pairs each tenant's prompts are remembered under, and the tenant epoch
-        # they were remembered at: a purge or invalidation (an epoch bump) drops them all (under the
-        # global key, which every `shared` tenant uses, only the tenant's own prompts).
+        # Which (model, key) pairs each tenant's prompts are remembered under, and the newest tenant
+        # epoch seen: a purge or invalidation (an epoch bump) drops them all (under the global key,
+        # which every `shared` tenant uses, only the tenant's own prompts). A request or background add
+        # prepared at an older epoch (before the purge) is refused by that number alone (``_stale``):
+        # one per tenant, where a set of every purged key grew with each purge for ever.
         self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
         self._epoch_of: dict[str, int] = {}
-        self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
         self._background: set[asyncio.Task] = set()
         self._policies = policies
         self._sweep_s = sweep_s
         self._sweeper: asyncio.Task | None = None
+        self.exact_index_live = exact_index_live
+        self.in_flight_s = in_flight_s
 
     # ---- the routing decision ------------------------------------------------------------------
     async def route(
@@ -177,10 +193,17 @@ class NearMissRouting:
         segments: Sequence[NamespaceSegment],
         request: RouteRequest,
         exact_url: str,
+        *,
+        arrived_s: float | None = None,
     ) -> NearMissRoute:
-        """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
+        """The worker for this request: ``exact_url`` unless a verified near miss beats it.
+
+        ``arrived_s`` (``time.perf_counter()``, default now): when the request reached the gateway; an
+        embedding is waited for until ``arrived_s`` + ``max_wait_s`` at most, and one that comes later
+        is not used for this request."""
+        deadline_s = (time.perf_counter() if arrived_s is None else arrived_s) + self.max_wait_s
         self._observe_epoch(tenant)
-        if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
+        if self._stale(tenant.tenant_id, tenant.epoch):  # prepared before its tenant was purged: keep out
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
@@ -196,9 +219,13 @@ class NearMissRouting:
         nominees = self._recent_of(model.model_id, segments)
         best = self._best(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
-        if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
-            vector = await self._embed_within_bound(head, tenant.tenant_id)
-            if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
+        if (
+            (best is None or best[0] < self.min_blocks)
+            and self._searchable(model.model_id, segments)
+            and self._beyond_the_index(model.model_id, segments)
+        ):
+            vector = await self._embed_within_bound(head, tenant.tenant_id, deadline_s)
+            if self._stale(tenant.tenant_id, tenant.epoch):  # purged while it waited: remember nothing
                 return NearMissRoute(worker_url=exact_url, exact_tokens=None)
             late = vector is None and self.max_wait_s > 0
             if vector is not None:
@@ -235,21 +262,41 @@ class NearMissRouting:
         )
         return self._cost(request, with_reuse) < self._cost(request, exact)
 
-    async def _embed_within_bound(self, head: str, tenant_id: str) -> np.ndarray | None:
-        """The head's embedding, ahead of queued background ones; None if not ready within the bound
-        (with no bound, only an embedding already at hand: the request never waits)."""
-        vector = self.embedder.cached(head, tenant=tenant_id)
+    async def _embed_within_bound(self, head: str, tenant_id: str, deadline_s: float) -> np.ndarray | None:
+        """The head's embedding if it is at hand (no wait), or computed ahead of queued background ones
+        by ``deadline_s`` (``perf_counter``: the request's arrival + the bound); else None.
+
+        The deadline is checked when the wait ends, not left to the loop's timer alone: on a saturated
+        machine the timer fires when the loop gets a CPU, and a vector may come in after the deadline.
+        Such a vector is not used (the request goes as it would have gone at its deadline); each outcome
+        is counted (``prefixgate_near_miss_embed_waits_total``) and the overrun observed."""
+        vector = self.embedder.at_hand(head, tenant=tenant_id)
         if vector is not None or self.max_wait_s <= 0:
+            self._count_wait("at_hand" if vector is not None else "")
             return vector
         started = time.perf_counter()
+        if started >= deadline_s:  # its budget went before routing (a loaded loop, a follower's hold)
+            self._count_wait("expired")
+            return None
         job = asyncio.ensure_future(self.embedder.embed(head, urgent=True, tenant=tenant_id))
         try:
-            return await asyncio.wait_for(asyncio.shield(job), self.max_wait_s)
+            vector = await asyncio.wait_for(asyncio.shield(job), deadline_s - started)
         except TimeoutError:  # the job goes on: its vector lands in the LRU for _remember
+            vector = None
+        ended = time.perf_counter()
+        if self._metrics is not None:
+            self._metrics.near_miss_embed_seconds.observe(ended - started)
+            if ended > deadline_s:
+                self._metrics.near_miss_wait_overrun_seconds.observe(ended - deadline_s)
+        if vector is None or ended > deadline_s:
+            self._count_wait("late")
             return None
-        finally:
-            if self._metrics is not None:
-                self._metrics.near_miss_embed_seconds.observe(time.perf_counter() - started)
+        self._count_wait("in_time")
+        return vector
+
+    def _count_wait(self, outcome: str) -> None:
+        if self._metrics is not None and outcome:
+            self._metrics.near_miss_embed_waits.labels(outcome).inc()
 
     def _best(
         self,
@@ -283,6 +330,20 @@ class NearMissRouting:
         """Whether any of the request's namespace keys has remembered prompts (else nothing to find)."""
         return any(self._vectors.get((model_id, bytes(seg.key))) for seg in segments)
 
+    def _beyond_the_index(self, model_id: str, segments: Sequence[NamespaceSegment]) -> bool:
+        """Whether FAISS may find what neither the exact index nor the latest prompts show (see
+        ``exact_index_live``): always without a live index; with one, only while some key's latest
+        prompts are full and were all routed within ``in_flight_s`` (an older one may still be in flight)."""
+        if not self.exact_index_live:
+            return True
+        now = time.monotonic()
+        for key in {bytes(seg.key) for seg in segments}:
+            recent = self._recent.get((model_id, key))
+            if recent and len(recent) == recent.maxlen and now - recent[0].routed_s < self.in_flight_s:
+                return True
+        self._count_wait("indexed")
+        return False
+
     def _search(
         self, model_id: str, segments: Sequence[NamespaceSegment], vector: np.ndarray
     ) -> list[tuple[float, Remembered]]:
@@ -309,7 +370,7 @@ class NearMissRouting:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
         background, off the request's path; shed when embeddings queue up; not at all without ``embed``)."""
         own_key = bytes(segments[-1].key)
-        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+        if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
         self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
         if self._sweeper is None and self._policies is not None:
@@ -320,13 +381,15 @@ class NearMissRouting:
             worker_url=url,
             own_key=own_key,
             tenant_id=tenant.tenant_id,
+            epoch=tenant.epoch,
+            routed_s=time.monotonic(),
         )
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
             recent = self._recent[(model.model_id, own_key)] = deque(maxlen=self.recent_per_namespace)
         recent.append(entry)
         if vector is None and head:
-            vector = self.embedder.cached(head, tenant=tenant.tenant_id)
+            vector = self.embedder.at_hand(head, tenant=tenant.tenant_id)
         if vector is not None:
             self._add(model.model_id, entry, vector)
             return
@@ -344,7 +407,7 @@ class NearMissRouting:
         self._spawn(remember())
 
     def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
-        if entry.own_key in self._forgotten:  # embedded after its tenant was purged
+        if self._stale(entry.tenant_id, entry.epoch):  # embedded after its tenant was purged
             return
         if (model_id, entry.own_key) not in self._keys_of.get(entry.tenant_id, ()):  # tenant forgotten since
             return
@@ -380,7 +443,7 @@ class NearMissRouting:
         request). Never another tenant's: a finding shows the other prompt's text, and every `shared`
         tenant's key is the global one."""
         own_key, layout = bytes(segments[-1].key), layout_of(segments)
-        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+        if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
         closest: tuple[int, Remembered] | None = None
         for entry in nominees:
@@ -408,18 +471,36 @@ class NearMissRouting:
         """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
         return await self._findings.recent(tenant_id)
 
-    async def forget_tenant(self, tenant_id: str) -> None:
+    async def forget_tenant(self, tenant_id: str, *, epoch: int | None = None) -> None:
         """Drop everything remembered of a tenant: its prompts, vectors and findings, here and in Redis.
 
-        Called by the admin purge, invalidate and delete; other replicas drop their own copies when
+        Called by the admin purge, invalidate and delete with the tenant's new ``epoch``: whatever is
+        still on its way from an older one (a request prepared before, a background embedding) is kept
+        out. None: the epoch moved past the newest seen here. Other replicas drop their own copies when
         they see the tenant's new epoch (``_observe_epoch``)."""
+        known = self._epoch_of.get(tenant_id)
+        if epoch is None and known is not None:
+            epoch = known + 1
+        if epoch is not None:
+            self._epoch_of[tenant_id] = max(epoch, known if known is not None else epoch)
         self._forget_local(tenant_id)
         await self._findings.forget(tenant_id)
+
+    def _stale(self, tenant_id: str, epoch: int) -> bool:
+        """Whether something prepared at ``epoch`` is from before the tenant's latest purge, or its
+        tenant was deleted or opted out since (the policies in force: nothing is kept per deletion)."""
+        known = self._epoch_of.get(tenant_id)
+        if known is not None and epoch < known:
+            return True
+        if self._policies is None or not self._policies.ready:
+            return False
+        current = self._policies.get(tenant_id)
+        return current is None or not current.near_miss_routing or epoch < current.epoch
 
     def _observe_epoch(self, tenant: TenantPolicy) -> None:
         """A tenant whose epoch grew since its prompts were remembered was purged or invalidated
         through some replica: its old prompts can never be reused (their keys are gone), so drop them.
-        (A request still carrying an older epoch changes nothing: its key is among the forgotten.)"""
+        (A request still carrying an older epoch changes nothing: ``_stale`` keeps it out.)"""
         known = self._epoch_of.get(tenant.tenant_id)
         if known is not None and tenant.epoch > known:
             self._forget_local(tenant.tenant_id)
@@ -432,7 +513,6 @@ class NearMissRouting:
                 continue
             self._recent.pop(pair, None)
             self._vectors.pop(pair, None)
-            self._forgotten.add(pair[1])
         self._findings.forget_local(tenant_id)
 
     def _forget_shared(self, pair: tuple[str, bytes], tenant_id: str) -> None:

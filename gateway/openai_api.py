@@ -23,6 +23,7 @@ from gateway.errors import (
     ResponseFormatError,
     Unavailable,
 )
+from gateway.expect import expect_continue
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -48,6 +49,7 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.tool_calls import ToolCallParser, request_tools
+from gateway.worker_tokens import refused_unstarted, settle_worker_tokens
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
@@ -112,7 +114,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.rate_headers, call.requests_counted = decision.headers("requests"), decision.counted
         yield call
     except APIError as exc:
-        call.status = exc.status
+        call.status, call.worker_refused = exc.status, refused_unstarted(call, exc)
         call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
@@ -127,6 +129,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         if call.admission_slots:
             gate.leave(tenant.tenant_id, call.admission_slots)
         _record(request, call, time.perf_counter() - started)
+        await settle_worker_tokens(request, call)  # failed or cut: answers settle before they are sent
 
 
 def _cut(request: web.Request, call: TenantCall) -> None:
@@ -173,6 +176,12 @@ async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: 
             retry_after_s=decision.retry_after_s,
             headers=call.rate_headers,
         )
+
+
+async def check_worker_tokens(request: web.Request, call: TenantCall, num_tokens: int) -> None:
+    """``check_token_limit`` for a bundled-worker request, remembered for ``settle_worker_tokens``."""
+    await check_token_limit(request, call, num_tokens)
+    call.worker_limit_tokens = num_tokens
 
 
 def _record_prompt_work(
@@ -283,7 +292,8 @@ async def _serve(
         request_id=call.completion_id,
         x_request_id=call.request_id,
         # Before routing (a refused request places nothing); OpenAI counts all n choices' max_tokens too.
-        check_tokens=functools.partial(check_token_limit, request, call),
+        check_tokens=functools.partial(check_worker_tokens, request, call),
+        arrived_s=call.started_s,
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
@@ -294,6 +304,7 @@ async def _serve(
         return await _stream(request, call, prepared, tools)
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
+    await settle_worker_tokens(request, call)  # before the answer: the client's next request sees it
     with _formatting(call):
         answer = openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
     await send_answer(request, call, answer)
@@ -356,6 +367,7 @@ async def _stream(
             except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
                 call.outcome = call.outcome or OUTCOME_SERVER_ERROR
                 await out.write(writer.error(exc.to_json(call.request_id)))
+            await settle_worker_tokens(request, call)  # before [DONE]: the client's next request sees it
             await out.write(writer.done())  # a cut here too bills only what left (review r11 #1)
             await out.write_eof()
         except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error
@@ -475,9 +487,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/prompt-lint", prompt_lint)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/prompt-lint", prompt_lint, expect_handler=expect_continue)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect_continue)
+    app.router.add_get("/v1/models/{model}", get_model, expect_handler=expect_continue)
+    app.router.add_get("/healthz", healthz, expect_handler=expect_continue)

@@ -456,9 +456,12 @@ class RequestPipeline:
         request_id: str,
         x_request_id: str = "",
         check_tokens: Callable[[int], Awaitable[None]] | None = None,
+        arrived_s: float | None = None,
     ) -> PreparedRequest:
         """Everything up to the worker's payload. ``check_tokens(prompt + n × max_tokens)`` (the tokens per
-        minute limit) runs before routing: a refused request places no prefix that others would wait for."""
+        minute limit) runs before routing: a refused request places no prefix that others would wait for.
+        ``arrived_s`` (``time.perf_counter()``): when the request came in; near miss waits for an embedding
+        until then + its bound at most (default: from when it consults)."""
         model = self.resolve_model(request.model)
         self.check_prompt_size(request, model)
         prompt: RenderedPrompt = await self.run_cpu(
@@ -481,7 +484,7 @@ class RequestPipeline:
         if self._near_miss is not None and tenant.near_miss_routing:
             try:
                 near_miss = await self._near_miss.route(
-                    tenant, model, token_ids, segments, route_request, worker_url
+                    tenant, model, token_ids, segments, route_request, worker_url, arrived_s=arrived_s
                 )
             except BaseException:  # cancelled while it waited for an embedding
                 self.abandon(route_request)
