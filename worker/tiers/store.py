@@ -298,7 +298,10 @@ class TieredStore:
             try:
                 item = self._writes.get(timeout=renew_s)
             except queue.Empty:
-                self.remote.renew_reservations()
+                try:
+                    self.remote.renew_reservations()
+                except Exception:  # the writer must outlive any bug here
+                    log.exception("renewing the Redis reservations failed")
                 continue
             if item is None:
                 self._writes.task_done()
