@@ -65,6 +65,10 @@ class TenantCall:
     started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
     admission_slots: int = 0  # held in gateway.admission: 1 once in, n once its n choices are counted
 
+    def count_generated(self, num_tokens: int) -> None:
+        """Tokens a worker generated for this request, counted as they arrive at the gateway."""
+        self.generated_tokens += num_tokens
+
     def bill_whole_answer(self) -> None:
         """A non-streamed answer was cut while it was written (its client stopped taking it, or hung
         up): it is one piece, generated whole and partly sent (the kernel's buffers take its head at

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -85,15 +85,26 @@ def combined_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
+def _num_tokens(event: dict) -> int:
+    return len(event.get("token_ids") or ())
+
+
 async def choice_events(
-    pipeline: RequestPipeline, prepared: PreparedRequest
+    pipeline: RequestPipeline,
+    prepared: PreparedRequest,
+    *,
+    on_tokens: Callable[[int], None] = lambda num: None,
 ) -> AsyncIterator[tuple[int, dict]]:
     """``(choice index, worker event)`` of every choice, interleaved as they come; raises the first
-    choice error. Closing the iterator early cancels (and so aborts) every choice still running."""
+    choice error. Closing the iterator early cancels (and so aborts) every choice still running.
+    ``on_tokens`` is told of each event's tokens as the worker's answer arrives, before it is queued
+    for the consumer: what the workers generated for the request, whether or not its client read it
+    (the tokens-per-minute window's count, ``gateway.worker_tokens``; review r20 #1)."""
     requests = choice_requests(prepared)
     if len(requests) == 1:
         async with contextlib.aclosing(pipeline.stream(prepared)) as events:
             async for event in events:
+                on_tokens(_num_tokens(event))
                 yield 0, event
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -106,6 +117,7 @@ async def choice_events(
             async with contextlib.aclosing(pipeline.stream(request)) as events:
                 async for event in events:
                     first_token.set()
+                    on_tokens(_num_tokens(event))
                     await queue.put((index, event))
             await queue.put((index, _DONE))
         except asyncio.CancelledError:
@@ -132,14 +144,22 @@ async def choice_events(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def generate_choices(pipeline: RequestPipeline, prepared: PreparedRequest) -> list[dict[str, Any]]:
-    """Non-streamed: each choice's worker result (text, token ids, finish reason, usage, logprobs)."""
+async def generate_choices(
+    pipeline: RequestPipeline,
+    prepared: PreparedRequest,
+    *,
+    on_tokens: Callable[[int], None] = lambda num: None,
+) -> list[dict[str, Any]]:
+    """Non-streamed: each choice's worker result (text, token ids, finish reason, usage, logprobs);
+    ``on_tokens`` as ``choice_events`` (one choice: the whole answer's, when it arrives)."""
     if prepared.sampling.n == 1:
-        return [await pipeline.generate(prepared)]
+        result = await pipeline.generate(prepared)
+        on_tokens(len(result.get("token_ids") or ()))
+        return [result]
     results: list[dict[str, Any]] = [
         {"text": "", "token_ids": [], "logprobs": []} for _ in range(prepared.sampling.n)
     ]
-    async with contextlib.aclosing(choice_events(pipeline, prepared)) as events:
+    async with contextlib.aclosing(choice_events(pipeline, prepared, on_tokens=on_tokens)) as events:
         async for index, event in events:
             result = results[index]
             result["text"] += event.get("text") or ""

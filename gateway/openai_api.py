@@ -144,7 +144,7 @@ async def _serve(
     metrics.queue_time.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
     if prepared.stream:
         return await _stream(request, call, prepared, tools)
-    results = await choices.generate_choices(pipeline, prepared)
+    results = await choices.generate_choices(pipeline, prepared, on_tokens=call.count_generated)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
     await settle_worker_tokens(request, call)  # before the answer: the client's next request sees it
     with _formatting(call):
@@ -166,7 +166,8 @@ async def _stream(
     client (what a cut stream is billed) and says who ended a stream that did not complete."""
     writer = openai_format.ChunkWriter(prepared, tools)
     pipeline = request.config_dict[PIPELINE]
-    async with contextlib.aclosing(choices.choice_events(pipeline, prepared)) as events:
+    events = choices.choice_events(pipeline, prepared, on_tokens=call.count_generated)
+    async with contextlib.aclosing(events) as events:
         item = await anext(events, None)  # errors before the first token are plain HTTP errors
         request.config_dict[METRICS].ttft.labels(call.endpoint).observe(time.perf_counter() - call.started_s)
         response = await openai_format.start_event_stream(request, _headers(call, prepared))
@@ -185,8 +186,7 @@ async def _stream(
                     index, event = item
                     if event.get("type") != "final" and event.get("usage") and call.prompt_usage is None:
                         call.prompt_usage = event["usage"]
-                    num_new = len(event.get("token_ids") or ())
-                    call.generated_tokens += num_new  # the tokens per minute's, delivered or not
+                    num_new = len(event.get("token_ids") or ())  # generated_tokens: counted on arrival
                     held[index] = held.get(index, 0) + num_new
                     if event.get("text") or event.get("logprobs"):  # the final event may carry the last token
                         with _formatting(call):

@@ -241,6 +241,8 @@ def num_limit_tokens_used(call: TenantCall, forwarded: ForwardedRequest) -> int 
             return None
         reported = int(usage.get("completion_tokens", 0))
         completion = max(reported, call.delivered_tokens, call.generated_tokens)
+        if forwarded.max_completion_tokens is not None:  # chunks past n × max_tokens: not tokens (r20 #2)
+            completion = min(completion, forwarded.max_completion_tokens)
     num_reserved = forwarded.num_limit_tokens - forwarded.num_prompt_estimate
     return int(usage["prompt_tokens"]) + max(num_reserved, completion)
 

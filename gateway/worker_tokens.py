@@ -6,7 +6,10 @@ worker did: the prompt (when a worker took the request: not when every worker sh
 refused it as invalid, ``refused_unstarted``) plus the completion tokens generated (the worker's usage)
 or, for an answer that did not complete, those received from the worker, delivered or not: a stream
 cut for not being read used the worker for all it generated, and settling it to what the client took
-would let a tenant holding stalled streams generate past its limit. A refund goes back to the
+would let a tenant holding stalled streams generate past its limit (they are counted as the worker's
+answer arrives, before the client is written to: ``choices.choice_events``). A non-streamed answer
+whose client hung up keeps the check's count: it arrives whole at its end, so nothing of it was seen. A
+refund goes back to the
 window the check counted in, while it is current (``gateway.ratelimit``); a charge (a request that used
 more than it was counted, which the worker's max_tokens should prevent) lands in the current one. As the
 upstream path's ``upstream_serve.settle_token_limit``, the correction runs in its own task: a client
@@ -24,6 +27,7 @@ from gateway.errors import APIError
 from gateway.ratelimit import tokens_key
 from gateway.state import RATE_LIMITER
 from gateway.upstream import WorkerNotStarted
+from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED
 
 _SETTLING: set[asyncio.Task] = set()  # corrections under way: a reference until each ends
 
@@ -39,10 +43,17 @@ def refused_unstarted(call: TenantCall, error: APIError) -> bool:
     )
 
 
-def num_worker_tokens_used(call: TenantCall) -> int:
-    """Prompt + completion tokens the request took from the workers (0: no worker took it)."""
+def num_worker_tokens_used(call: TenantCall) -> int | None:
+    """Prompt + completion tokens the request took from the workers (0: no worker took it; None: keep
+    what the check counted)."""
     if call.prepared is None or call.worker_refused:  # refused before routing, or by every worker
         return 0
+    if call.usage is None and not call.prepared.stream and call.outcome == OUTCOME_CLIENT_CANCELLED:
+        # A non-streamed answer arrives whole at its end: a client that hung up before it got nothing
+        # the gateway could count (one choice), yet the worker generated until the abort. It keeps the
+        # check's prompt + n × max_tokens, else hanging up just before the end would generate without
+        # limit (review r20 #3).
+        return None
     usage = call.usage or call.prompt_usage or {}
     prompt = int(usage.get("prompt_tokens", call.num_prompt_tokens))
     if call.usage:
@@ -54,7 +65,7 @@ def num_worker_tokens_used(call: TenantCall) -> int:
 
 async def _settle(request: web.Request, call: TenantCall, counted: int) -> None:
     used = num_worker_tokens_used(call)
-    if used == counted:
+    if used is None or used == counted:
         return
     limiter, key = request.config_dict[RATE_LIMITER], tokens_key(call.tenant.tenant_id)
     if used > counted:
