@@ -44,7 +44,7 @@ from gateway.model import ModelRuntime
 from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
 from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
-from policies.isolation import GLOBAL_NAMESPACE_KEY
+from policies.isolation import GLOBAL_NAMESPACE_ID
 from policies.near_miss import SegmentLayout, layout_of, reusable
 from tenancy.policy import TenantPolicy
 
@@ -163,6 +163,7 @@ class NearMissRouting:
         self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
         self._epoch_of: dict[str, int] = {}
         self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
+        self._pool_keys: set[bytes] = set()  # keys of the common pool (one per namespace secret)
         self._background: set[asyncio.Task] = set()
         self._policies = policies
         self._sweep_s = sweep_s
@@ -311,6 +312,8 @@ class NearMissRouting:
         own_key = bytes(segments[-1].key)
         if own_key in self._forgotten:  # its tenant was purged after the request was prepared
             return
+        if segments[-1].namespace_id == GLOBAL_NAMESPACE_ID:
+            self._pool_keys.add(own_key)
         self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
         if self._sweeper is None and self._policies is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
@@ -427,7 +430,7 @@ class NearMissRouting:
 
     def _forget_local(self, tenant_id: str) -> None:
         for pair in self._keys_of.pop(tenant_id, ()):
-            if pair[1] == GLOBAL_NAMESPACE_KEY:  # the shared pool's key stays: drop this tenant's prompts
+            if pair[1] in self._pool_keys:  # the shared pool's key stays: drop this tenant's prompts
                 self._forget_shared(pair, tenant_id)
                 continue
             self._recent.pop(pair, None)

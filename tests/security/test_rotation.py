@@ -3,6 +3,10 @@ promoted pools included, and purge / delete still reach what a tenant cached und
 
 from gateway.app import create_app
 from tests.gateway.conftest import ADMIN, create_tenant, make_config
+from tests.gateway.test_gateway_canonicalization import system_with
+from tests.gateway.test_gateway_e2e import auth, cached, chat_body, unique_system_prompt
+from tests.gateway.test_gateway_promotion import ask as ask_as
+from tests.gateway.test_gateway_promotion import promoted_tokens, wait_for_hot_prefixes
 from tests.gateway.test_gateway_purge import ask, kv_files, redis_keys, short_prompt, small_worker  # noqa: F401
 from tests.security.test_deletion import fill_disk_tier, reserved_namespaces
 
@@ -56,3 +60,45 @@ async def test_delete_after_a_rotation_ends_the_reservation_of_the_old_namespace
     response = await after.delete(f"/admin/v1/tenants/{tenant['id']}", headers=ADMIN)
     assert response.status == 200, await response.text()
     assert tenant["namespace_id"] not in await reserved_namespaces(url)
+
+
+async def test_a_rotation_invalidates_the_shared_pool(aiohttp_client, sqlite_url, tmp_path, worker_url):
+    config = make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), namespace_salt=None)
+    before = await aiohttp_client(create_app(config))
+    key = (await create_tenant(before, name="pooled", isolation="shared"))["api_key"]
+    body = chat_body(unique_system_prompt())
+    for _ in range(2):
+        first = await (await before.post("/v1/chat/completions", json=body, headers=auth(key))).json()
+    assert cached(first) > 0  # cached in the global pool
+    after = await aiohttp_client(await rotate_and_restart(before, config))
+    again = await (await after.post("/v1/chat/completions", json=body, headers=auth(key))).json()
+    assert cached(again) == 0, "a block of the shared pool cached before the rotation was reused after it"
+
+
+async def test_a_rotation_invalidates_promoted_kv_but_keeps_the_promotions(
+    aiohttp_client, sqlite_url, tmp_path, worker_url
+):
+    config = make_config(
+        sqlite_url,
+        tmp_path,
+        worker_urls=(worker_url,),
+        namespace_salt=None,
+        promotion_min_hits=3,
+        promotion_min_tenants=3,
+    )
+    before = await aiohttp_client(create_app(config))
+    system = system_with("the rotation drill")
+    keys = [(await create_tenant(before, name=n, share_hot_prefixes=True))["api_key"] for n in "abc"]
+    for key in keys:
+        await ask_as(before, key, system, f"question {key[-4:]}")
+    [row] = await wait_for_hot_prefixes(before, 1)
+    await ask_as(before, keys[1], system, "makes the promoted copy")
+    warm = await ask_as(before, keys[0], system, "warm")
+    assert promoted_tokens(warm) > 0 and cached(warm) >= promoted_tokens(warm)  # the promoted copy serves
+
+    after = await aiohttp_client(await rotate_and_restart(before, config))
+    assert [r["id"] for r in await wait_for_hot_prefixes(after, 1)] == [row["id"]]  # the promotion stays
+    cold = await ask_as(after, keys[1], system, "cold")
+    assert cached(cold) == 0, "promoted KV cached before the rotation was reused after it"
+    again = await ask_as(after, keys[2], system, "again")  # another tenant: only the promoted pool serves it
+    assert cached(again) >= row["num_tokens"]  # the promotion is still applied, under the new secret
