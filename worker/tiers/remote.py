@@ -385,20 +385,22 @@ class RemoteTier:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def purge(self, namespace_id: str) -> int:
-        """Delete every block of ``namespace_id`` of this model; returns how many.
+        """Delete every block of ``namespace_id``, of this model and of any other model sharing this Redis
+        (blocks a tenant cached before a model upgrade would otherwise stay until their TTL); returns how
+        many.
 
         Raises:
             RemoteUnavailable: Redis failed part-way; some blocks may remain (a retry is safe).
         """
         erased = 0
         try:
-            partition = f"{self.prefix}:~quota:{namespace_id}"
-            books = [(self._lru, self._sizes, self._total)]
-            books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
-            head = f"{self.prefix}:{namespace_id}:"
-            for key in self.client.scan_iter(match=_glob_escape(head) + "*", count=500):
-                if not _is_block_key(key, head):  # e.g. "<ns>:x:<hash>" of namespace "<ns>:x"
+            for key in self.client.scan_iter(match=f"pg:kv:*:{_glob_escape(namespace_id)}:*", count=500):
+                prefix = _model_prefix(key, namespace_id)
+                if prefix is None:  # e.g. "<ns>:x:<hash>" of namespace "<ns>:x", or the books
                     continue
+                partition = f"{prefix}:~quota:{namespace_id}"
+                books = [(f"{prefix}:lru", f"{prefix}:sizes", f"{prefix}:bytes")]
+                books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
                 pipe = self.client.pipeline()
                 pipe.delete(key)
                 for lru, sizes, _ in books:  # the block may be booked in the shared LRU or the owner's
@@ -407,7 +409,7 @@ class RemoteTier:
                     pipe.hdel(sizes, key)
                 with self._announce_lock:
                     deleted, *rest = pipe.execute()
-                    if deleted:
+                    if deleted and prefix == self.prefix:  # another model's blocks are not in our events
                         self._announce_removed([key])
                 for (_, _, total), size in zip(books, rest[0::3], strict=True):
                     if size:
@@ -431,6 +433,18 @@ def _is_block_key(key: bytes | str, head: str) -> bool:
     """Whether ``key`` is ``head`` followed by a block hash (not a key of another namespace or the books)."""
     text = key.decode() if isinstance(key, bytes) else key
     return text.startswith(head) and _HEX.fullmatch(text[len(head) :]) is not None
+
+
+_MODEL_PREFIX = re.compile(r"pg:kv:[0-9a-f]{1,16}(?=:)")  # "pg:kv:<fingerprint>" of any model
+
+
+def _model_prefix(key: bytes | str, namespace_id: str) -> str | None:
+    """The model prefix of ``key`` when it is a block key of ``namespace_id`` (of any model), else None."""
+    text = key.decode() if isinstance(key, bytes) else key
+    found = _MODEL_PREFIX.match(text)
+    if found is None or not _is_block_key(text, f"{found.group()}:{namespace_id}:"):
+        return None
+    return found.group()
 
 
 def _hash_of(key: bytes | str) -> BlockHash:
