@@ -194,7 +194,7 @@ async def invalidate_tenant(request: web.Request) -> web.Response:
         raise admin_cache.shared_cache_conflict(tenant_id, ".")
     epoch = await repository.invalidate(tenant_id)
     await _changed(request)
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
     return web.json_response({"id": tenant_id, "object": "tenant", "epoch": epoch, "invalidated": True})
 
 

@@ -91,7 +91,7 @@ async def erase_tenant_cache(
     config, repository = request.config_dict[CONFIG], request.config_dict[REPOSITORY]
     epoch = await repository.invalidate(tenant_id)  # nothing cached from now on is reusable
     await request.config_dict[POLICY_CACHE].reload()
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id)  # its prompts, vectors and findings
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
     namespace_ids = await tenant_namespace_ids(request, tenant_id)
     result = await purge_namespaces(
         request.config_dict[WORKER_POOL], namespace_ids, timeout_s=config.purge_timeout_s

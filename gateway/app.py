@@ -174,6 +174,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
         session,
         timeout_s=config.worker_timeout_s,
         health_timeout_s=config.worker_health_timeout_s,
+        kv_events_max_bytes=config.kv_events_max_bytes,
     )
     cpu = CpuPool(num_threads=config.cpu_threads, max_waiting=config.cpu_queue_max)
     app[HTTP_SESSION], app[WORKER_POOL] = session, pool
@@ -181,7 +182,7 @@ async def workers_ctx(app: web.Application) -> AsyncIterator[None]:
     relay = None
     if config.redis_url and config.kv_index:  # replicas share the workers' event streams
         relay = RedisKVRelay(config.redis_url, replica_id=secrets.token_hex(8))
-    app[KV_CONSUMER] = consumer = KVEventConsumer(pool, prefix_index, relay=relay)
+    app[KV_CONSUMER] = consumer = KVEventConsumer(pool, prefix_index, relay=relay, metrics=app[METRICS])
     # The embedder loads (and imports torch) only when a near-miss tenant first needs it.
     embedder = PromptEmbedder(
         cache_dir=Path(config.near_miss_cache_dir or config.data_dir / "embeddings"),

@@ -53,6 +53,10 @@ class TenantCall:
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
     requests_counted: Counted | None = None  # where its first unit of requests per minute was counted
     tokens_counted: Counted | None = None  # where its tokens per minute were counted (refunds go there)
+    worker_limit_tokens: int | None = (
+        None  # a bundled-worker request: the tokens per minute its check counted
+    )
+    tokens_settled: bool = False  # its window was corrected to what it used (gateway.worker_tokens)
     started_s: float = 0.0  # time.perf_counter() when it arrived (queue time, TTFT)
     admission_slots: int = 0  # held in gateway.admission: 1 once in, n once its n choices are counted
 

@@ -4,7 +4,8 @@ prompt's cached prefix.
 Choice 0 starts first; the others start once it produced its first token, when the prompt's full blocks
 are in the worker's prefix cache, so they reuse them instead of prefilling the prompt ``n`` times. All
 choices go to the worker the request was routed to (same prefix affinity). A seeded request gives
-choice ``i`` the seed ``seed + i``: reproducible, and the choices differ.
+choice ``i`` the seed ``seed + i``, wrapped modulo 2**64 past the largest 64-bit seed (2**64-1, then 0, 1 …):
+reproducible, and the choices differ.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gateway.pipeline import PreparedRequest, RequestPipeline
 from gateway.schemas import ChatRequest, CompletionRequest
 
 _DONE = object()
+SEED_SPAN = 2**64  # seeds are 64-bit: choice seeds past 2**64-1 wrap to 0
 
 
 def check_model_support(model: ModelRuntime, request: ChatRequest | CompletionRequest) -> None:
@@ -61,10 +63,16 @@ def choice_requests(prepared: PreparedRequest) -> list[PreparedRequest]:
         replace(
             prepared,
             request_id=f"{prepared.request_id}-{i}",
-            sampling=replace(prepared.sampling, seed=None if seed is None else seed + i),
+            sampling=replace(prepared.sampling, seed=None if seed is None else _choice_seed(seed, i)),
         )
         for i in range(n)
     ]
+
+
+def _choice_seed(seed: int, index: int) -> int:
+    """``seed + index`` modulo 2**64 (seeds are validated to [-2**63, 2**64)); negative seeds stay as
+    they are, since ``seed + index`` of one of them is never past the top."""
+    return seed + index - SEED_SPAN if seed + index >= SEED_SPAN else seed + index
 
 
 def combined_usage(usages: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -153,6 +153,7 @@ class GatewayConfig:
     router: str = "kv_aware"  # a key of gateway.routing.ROUTERS
     affinity_blocks: int = 4  # blocks hashed for prefix-affinity routing
     kv_index: bool = True  # follow the workers' KV events into a prefix index (gateway.kv_index)
+    kv_events_max_bytes: int = 16 << 20  # a KV-event answer past this is refused unread (4,096 events: ~1 MB)
     kv_index_max_remote_ttl_s: float = 86400.0  # a worker's reported Redis TTL is trusted up to this
     near_miss_min_blocks: int = 4  # near-miss tenants: consult FAISS when the exact index finds fewer
     near_miss_max_wait_ms: float = 0.0  # > 0: FAISS on, a request waits at most this for its embedding

@@ -6,10 +6,16 @@ stream fails is dropped from the index at once, so no request is routed for a ca
 it; a restarted worker (new ``worker_id``) is read again from its first event. A worker whose ring
 no longer holds the events after that answers with a snapshot of its state in pages, asked for one
 after another (``snapshot=<cursor>``), then the events after the snapshot (``worker.kv_events``).
+A malformed batch, or an answer over ``kv_events_max_bytes`` (read no further), drops the worker from
+the index the same way (logged, counted in ``prefixgate_kv_event_batches_refused_total``).
 
 With a ``RedisKVRelay`` (several replicas) only the replica holding a worker's lease polls it and
 publishes what it applies; the others apply the published batches (``gateway.kv_relay``). If Redis
-fails, each replica polls the worker itself until Redis answers again.
+fails, each replica polls the worker itself until Redis answers again. A relayed batch is applied from
+where the replica is: events it applied already are skipped (its own catch-up, a batch it polled itself
+as leader just before the lease passed on), and a batch that starts past its next sequence number (one
+never published: the stream trimmed, a leader's Redis error) makes it poll the worker itself until it is
+caught up, then go on with the stream.
 """
 
 from __future__ import annotations
@@ -21,9 +27,40 @@ from typing import Any
 
 from gateway.kv_index import PrefixIndex
 from gateway.kv_relay import RedisKVRelay
+from gateway.metrics import GatewayMetrics
+from gateway.upstream import KVEventsTooLarge
 from gateway.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+MAX_CATCH_UP_POLLS = 64  # a replica filling a gap in the relayed stream polls the worker at most this often
+
+
+class _Gap(Exception):
+    """A relayed batch starts past the replica's next sequence number: events were never relayed."""
+
+
+def relayed_part(batch: Any, worker_id: str | None, last_seq: int) -> Any | None:
+    """What of a relayed ``batch`` continues a replica at (``worker_id``, ``last_seq``): the batch itself
+    when it resets or pages the worker's state or carries no events, else its events after ``last_seq``
+    (the sequence starts again at 1 for another worker process); None when all of them were applied.
+    Raises _Gap when its first event is past ``last_seq + 1``. A malformed batch is returned as it is:
+    ``KVEventConsumer._apply`` refuses it."""
+    if not isinstance(batch, dict) or batch.get("reset") or batch.get("snapshot") is not None:
+        return batch
+    events = batch.get("events")
+    if not isinstance(events, list) or not events:
+        return batch
+    try:
+        seqs = [int(event["seq"]) for event in events]
+    except (KeyError, TypeError, ValueError):
+        return batch
+    applied = last_seq if worker_id is not None and batch.get("worker_id") == worker_id else 0
+    if seqs[0] > applied + 1:
+        raise _Gap
+    fresh = [event for event, seq in zip(events, seqs, strict=True) if seq > applied]
+    if not fresh:
+        return None
+    return batch if len(fresh) == len(events) else {**batch, "events": fresh}
 
 
 class KVEventConsumer:
@@ -35,8 +72,10 @@ class KVEventConsumer:
         relay: RedisKVRelay | None = None,
         wait_ms: int = 1000,
         retry_s: float = 0.5,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._pool = pool
+        self._metrics = metrics
         self._index = index
         self._relay = relay
         self._wait_ms = wait_ms
@@ -45,6 +84,7 @@ class KVEventConsumer:
         self.leading: set[str] = set()  # workers this replica polls itself (holds the relay lease)
         self.num_relayed_batches = 0  # batches applied from other replicas through Redis
         self.num_malformed_batches = 0  # batches refused (the worker was dropped from the index instead)
+        self.num_relay_gaps = 0  # relayed batches that started past this replica's position (it polled)
 
     def start(self) -> None:
         self._tasks = [
@@ -81,6 +121,11 @@ class KVEventConsumer:
                 )
             except asyncio.CancelledError:
                 raise
+            except KVEventsTooLarge as exc:
+                log.warning("%s from %s: dropped from the routing index", exc, url)
+                self._refused("too_large")
+                self._index.drop(url)
+                return None
             except Exception as exc:
                 if url in self._index.workers:
                     log.info("KV events of %s unavailable (%s): dropped from the routing index", url, exc)
@@ -103,8 +148,13 @@ class KVEventConsumer:
             log.warning("malformed KV-event batch from %s (%r): dropped from the routing index", url, exc)
             self._index.drop(url)
             self.num_malformed_batches += 1
+            self._refused("malformed")
             return False
         return True
+
+    def _refused(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.kv_event_batches_refused.labels(reason).inc()
 
     async def _follow(self, url: str) -> None:
         if self._relay is None:
@@ -131,7 +181,11 @@ class KVEventConsumer:
                 continue
             batch = await self._poll(url)
             with contextlib.suppress(Exception):
-                last_id = await self._relay.publish(url, batch if batch is not None else {"dropped": True})
+                entry_id = await self._relay.publish(url, batch if batch is not None else {"dropped": True})
+                if entry_id is None:  # the lease passed on while this poll ran: read what the leader sent
+                    self.leading.discard(url)
+                else:
+                    last_id = entry_id
             if batch is None:
                 await asyncio.sleep(self._retry_s)
 
@@ -141,8 +195,36 @@ class KVEventConsumer:
             for entry_id, batch in entries:
                 if batch.get("dropped"):
                     self._index.drop(url)
-                elif self._apply(url, batch):
-                    self.num_relayed_batches += 1
+                else:
+                    await self._apply_relayed_batch(url, batch)
                 last_id = entry_id
             if block_ms is not None or not entries:
                 return last_id
+
+    async def _apply_relayed_batch(self, url: str, batch: Any) -> None:
+        """Apply the part of a relayed batch this replica lacks; after a gap, poll the worker first."""
+        try:
+            part = relayed_part(batch, *self._index.position(url))
+        except _Gap:
+            self.num_relay_gaps += 1
+            log.info("KV events of %s: a relayed batch skips events, polling the worker to catch up", url)
+            if not await self._catch_up(url):
+                return
+            try:
+                part = relayed_part(batch, *self._index.position(url))
+            except _Gap:  # e.g. the worker restarted meanwhile: the batch is of its old process
+                return
+        if part is not None and self._apply(url, part):
+            self.num_relayed_batches += 1
+
+    async def _catch_up(self, url: str) -> bool:
+        """Poll the worker until this replica has applied every event it has (snapshot pages included);
+        False when the worker did not answer (it was dropped from the index)."""
+        for _ in range(MAX_CATCH_UP_POLLS):
+            batch = await self._poll(url)
+            if batch is None:
+                return False
+            state = self._index.workers.get(url)
+            if state is not None and state.caught_up:
+                return True
+        return False

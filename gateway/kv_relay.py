@@ -2,11 +2,12 @@
 
 For each worker, one replica holds a lease (``SET NX PX``, renewed while it follows) and is the only one
 that long-polls that worker; it appends every batch it applies to a Redis stream (bounded, ~newest
-``max_batches``). The other replicas read the stream into their own ``PrefixIndex``, so every replica
-routes on the same picture and a worker serves one event consumer, not one per replica. When the
-leader goes away its lease expires and another replica takes over from the last batch it read (the
-worker replays from that sequence number). A broken worker stream is published as a ``dropped``
-marker, so every replica forgets that worker at once.
+``max_batches``), only while it still holds the lease (checked and appended in one script): a leader whose
+poll outlived its lease does not append its late batch after the next leader's. The other replicas read
+the stream into their own ``PrefixIndex``, so every replica routes on the same picture and a worker serves
+one event consumer, not one per replica. When the leader goes away its lease expires and another replica
+takes over from the last batch it read (the worker replays from that sequence number). A broken worker
+stream is published as a ``dropped`` marker, so every replica forgets that worker at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
+"""
+# Appends a batch only for the lease holder: ARGV = replica id, max stream length, the batch.
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return false
+end
+return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'b', ARGV[3])
 """
 
 
@@ -39,6 +47,7 @@ class RedisKVRelay:
 
         self._redis = redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=1.0)
         self._renew = self._redis.register_script(_RENEW)
+        self._publish = self._redis.register_script(_PUBLISH)
         self.replica_id = replica_id
         self.lease_ms = lease_ms
         self._max_batches = max_batches
@@ -60,13 +69,14 @@ class RedisKVRelay:
         if (await self._redis.get(lease)) == self.replica_id.encode():
             await self._redis.delete(lease)
 
-    async def publish(self, url: str, batch: dict[str, Any]) -> str:
-        """Append one applied batch (or ``{"dropped": true}``); returns its stream id."""
-        _, stream = self._keys(url)
-        entry_id = await self._redis.xadd(
-            stream, {"b": orjson.dumps(batch)}, maxlen=self._max_batches, approximate=True
+    async def publish(self, url: str, batch: dict[str, Any]) -> str | None:
+        """Append one applied batch (or ``{"dropped": true}``) while this replica holds the lease; returns
+        its stream id, or None when the lease is another replica's (or expired): nothing was appended."""
+        lease, stream = self._keys(url)
+        entry_id = await self._publish(
+            keys=[lease, stream], args=[self.replica_id, self._max_batches, orjson.dumps(batch)]
         )
-        return entry_id.decode()
+        return None if entry_id is None else entry_id.decode()
 
     async def read(
         self, url: str, after_id: str, *, block_ms: int | None

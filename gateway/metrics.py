@@ -131,6 +131,13 @@ class GatewayMetrics:
             buckets=(*OVERHEAD_BUCKETS_S, 0.25, 0.5, 1.0),
             registry=r,
         )
+        self.kv_event_batches_refused = Counter(
+            "prefixgate_kv_event_batches_refused",
+            "Worker KV-event answers refused (malformed, or over kv_events_max_bytes): the worker was "
+            "dropped from the routing index and is read again from its first event",
+            ["reason"],
+            registry=r,
+        )
         self.policy_age = Gauge(
             "prefixgate_policy_snapshot_age_seconds",
             "Seconds since the policy cache was last checked",

@@ -65,6 +65,7 @@ class Remembered:
     worker_url: str
     own_key: bytes  # the key it is indexed under (its last segment's)
     tenant_id: str  # whose prompt it is: every `shared` tenant's key is the global one
+    epoch: int = 0  # its tenant's epoch when it was prepared (older than the newest: purged since)
 
 
 class NamespaceVectors:
@@ -157,12 +158,13 @@ class NearMissRouting:
         self._recent: dict[tuple[str, bytes], deque[Remembered]] = {}
         self._findings = findings if findings is not None else LocalFindings()
         self._vectors: dict[tuple[str, bytes], NamespaceVectors] = {}
-        # Which (model, key) pairs each tenant's prompts are remembered under, and the tenant epoch
-        # they were remembered at: a purge or invalidation (an epoch bump) drops them all (under the
-        # global key, which every `shared` tenant uses, only the tenant's own prompts).
+        # Which (model, key) pairs each tenant's prompts are remembered under, and the newest tenant
+        # epoch seen: a purge or invalidation (an epoch bump) drops them all (under the global key,
+        # which every `shared` tenant uses, only the tenant's own prompts). A request or background add
+        # prepared at an older epoch (before the purge) is refused by that number alone (``_stale``):
+        # one per tenant, where a set of every purged key grew with each purge for ever.
         self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
         self._epoch_of: dict[str, int] = {}
-        self._forgotten: set[bytes] = set()  # keys of forgotten tenants: a late background add is dropped
         self._pool_keys: set[bytes] = set()  # keys of the common pool (one per namespace secret)
         self._background: set[asyncio.Task] = set()
         self._policies = policies
@@ -181,7 +183,7 @@ class NearMissRouting:
     ) -> NearMissRoute:
         """The worker for this request: ``exact_url`` unless a verified near miss beats it."""
         self._observe_epoch(tenant)
-        if bytes(segments[-1].key) in self._forgotten:  # prepared before its tenant was purged: keep out
+        if self._stale(tenant.tenant_id, tenant.epoch):  # prepared before its tenant was purged: keep out
             return NearMissRoute(worker_url=exact_url, exact_tokens=None)
         by_url = {worker.url: worker for worker in request.candidates}
         tokens = np.asarray(token_ids[: self.max_prompt_tokens], dtype=np.int32)
@@ -199,7 +201,7 @@ class NearMissRouting:
         vector, late = None, False
         if (best is None or best[0] < self.min_blocks) and self._searchable(model.model_id, segments):
             vector = await self._embed_within_bound(head, tenant.tenant_id)
-            if bytes(segments[-1].key) in self._forgotten:  # purged while it waited: remember nothing
+            if self._stale(tenant.tenant_id, tenant.epoch):  # purged while it waited: remember nothing
                 return NearMissRoute(worker_url=exact_url, exact_tokens=None)
             late = vector is None and self.max_wait_s > 0
             if vector is not None:
@@ -310,7 +312,7 @@ class NearMissRouting:
         """Remember a routed prompt: among the namespace's latest at once, in FAISS once embedded (in the
         background, off the request's path; shed when embeddings queue up; not at all without ``embed``)."""
         own_key = bytes(segments[-1].key)
-        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+        if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
         if segments[-1].namespace_id == GLOBAL_NAMESPACE_ID:
             self._pool_keys.add(own_key)
@@ -323,6 +325,7 @@ class NearMissRouting:
             worker_url=url,
             own_key=own_key,
             tenant_id=tenant.tenant_id,
+            epoch=tenant.epoch,
         )
         recent = self._recent.get((model.model_id, own_key))
         if recent is None:
@@ -347,7 +350,7 @@ class NearMissRouting:
         self._spawn(remember())
 
     def _add(self, model_id: str, entry: Remembered, vector: np.ndarray) -> None:
-        if entry.own_key in self._forgotten:  # embedded after its tenant was purged
+        if self._stale(entry.tenant_id, entry.epoch):  # embedded after its tenant was purged
             return
         if (model_id, entry.own_key) not in self._keys_of.get(entry.tenant_id, ()):  # tenant forgotten since
             return
@@ -383,7 +386,7 @@ class NearMissRouting:
         request). Never another tenant's: a finding shows the other prompt's text, and every `shared`
         tenant's key is the global one."""
         own_key, layout = bytes(segments[-1].key), layout_of(segments)
-        if own_key in self._forgotten:  # its tenant was purged after the request was prepared
+        if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
         closest: tuple[int, Remembered] | None = None
         for entry in nominees:
@@ -411,18 +414,36 @@ class NearMissRouting:
         """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
         return await self._findings.recent(tenant_id)
 
-    async def forget_tenant(self, tenant_id: str) -> None:
+    async def forget_tenant(self, tenant_id: str, *, epoch: int | None = None) -> None:
         """Drop everything remembered of a tenant: its prompts, vectors and findings, here and in Redis.
 
-        Called by the admin purge, invalidate and delete; other replicas drop their own copies when
+        Called by the admin purge, invalidate and delete with the tenant's new ``epoch``: whatever is
+        still on its way from an older one (a request prepared before, a background embedding) is kept
+        out. None: the epoch moved past the newest seen here. Other replicas drop their own copies when
         they see the tenant's new epoch (``_observe_epoch``)."""
+        known = self._epoch_of.get(tenant_id)
+        if epoch is None and known is not None:
+            epoch = known + 1
+        if epoch is not None:
+            self._epoch_of[tenant_id] = max(epoch, known if known is not None else epoch)
         self._forget_local(tenant_id)
         await self._findings.forget(tenant_id)
+
+    def _stale(self, tenant_id: str, epoch: int) -> bool:
+        """Whether something prepared at ``epoch`` is from before the tenant's latest purge, or its
+        tenant was deleted or opted out since (the policies in force: nothing is kept per deletion)."""
+        known = self._epoch_of.get(tenant_id)
+        if known is not None and epoch < known:
+            return True
+        if self._policies is None or not self._policies.ready:
+            return False
+        current = self._policies.get(tenant_id)
+        return current is None or not current.near_miss_routing or epoch < current.epoch
 
     def _observe_epoch(self, tenant: TenantPolicy) -> None:
         """A tenant whose epoch grew since its prompts were remembered was purged or invalidated
         through some replica: its old prompts can never be reused (their keys are gone), so drop them.
-        (A request still carrying an older epoch changes nothing: its key is among the forgotten.)"""
+        (A request still carrying an older epoch changes nothing: ``_stale`` keeps it out.)"""
         known = self._epoch_of.get(tenant.tenant_id)
         if known is not None and tenant.epoch > known:
             self._forget_local(tenant.tenant_id)
@@ -435,7 +456,6 @@ class NearMissRouting:
                 continue
             self._recent.pop(pair, None)
             self._vectors.pop(pair, None)
-            self._forgotten.add(pair[1])
         self._findings.forget_local(tenant_id)
 
     def _forget_shared(self, pair: tuple[str, bytes], tenant_id: str) -> None:

@@ -48,6 +48,7 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.tool_calls import ToolCallParser, request_tools
+from gateway.worker_tokens import settle_worker_tokens
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
@@ -127,6 +128,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         if call.admission_slots:
             gate.leave(tenant.tenant_id, call.admission_slots)
         _record(request, call, time.perf_counter() - started)
+        await settle_worker_tokens(request, call)  # failed or cut: answers settle before they are sent
 
 
 def _cut(request: web.Request, call: TenantCall) -> None:
@@ -173,6 +175,12 @@ async def check_token_limit(request: web.Request, call: TenantCall, num_tokens: 
             retry_after_s=decision.retry_after_s,
             headers=call.rate_headers,
         )
+
+
+async def check_worker_tokens(request: web.Request, call: TenantCall, num_tokens: int) -> None:
+    """``check_token_limit`` for a bundled-worker request, remembered for ``settle_worker_tokens``."""
+    await check_token_limit(request, call, num_tokens)
+    call.worker_limit_tokens = num_tokens
 
 
 def _record_prompt_work(
@@ -283,7 +291,7 @@ async def _serve(
         request_id=call.completion_id,
         x_request_id=call.request_id,
         # Before routing (a refused request places nothing); OpenAI counts all n choices' max_tokens too.
-        check_tokens=functools.partial(check_token_limit, request, call),
+        check_tokens=functools.partial(check_worker_tokens, request, call),
     )
     metrics = request.config_dict[METRICS]
     metrics.prepare_latency.labels(call.endpoint).observe(time.perf_counter() - started)
@@ -294,6 +302,7 @@ async def _serve(
         return await _stream(request, call, prepared, tools)
     results = await choices.generate_choices(pipeline, prepared)
     call.usage = choices.combined_usage([r.get("usage") or {} for r in results])
+    await settle_worker_tokens(request, call)  # before the answer: the client's next request sees it
     with _formatting(call):
         answer = openai_format.json_response(formatter(prepared, results), headers=_headers(call, prepared))
     await send_answer(request, call, answer)
@@ -356,6 +365,7 @@ async def _stream(
             except APIError as exc:  # after the headers went out: report in the stream, as OpenAI does
                 call.outcome = call.outcome or OUTCOME_SERVER_ERROR
                 await out.write(writer.error(exc.to_json(call.request_id)))
+            await settle_worker_tokens(request, call)  # before [DONE]: the client's next request sees it
             await out.write(writer.done())  # a cut here too bills only what left (review r11 #1)
             await out.write_eof()
         except ConnectionResetError:  # the client hung up or stopped reading: recorded, not our error

@@ -75,7 +75,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     _p(
         "tool_choice",
         {CHAT},
-        "`auto`, `none` (not parsed); `required` and a named function enforced by constrained decoding",
+        "`auto`, `none` (not parsed); `required` and a named function enforced by constrained decoding; "
+        "`auto` with a strict function: text or calls, a call constrained once it starts",
         "a function that is not in `tools`",
     ),
     _p("parallel_tool_calls", {CHAT}, "`true`; `false` (a forced call is always a single one)"),

@@ -5,8 +5,9 @@ one is parsed in the tenant's share of the CPU pool (``gateway.cpu``): a 3 MB bo
 ids took ~0.05 s of JSON and ~0.2 s of checks, and eight of them at once held every other tenant's
 requests for up to 2 s. A token-id prompt longer than the context window of the model it names (for a
 model not served here: of the largest one served) is refused from its length before any id is checked
-(``schemas.parse_completion``); an external upstream's window is unknown here: its prompts are
-bounded by ``max_prompt_chars`` and by the upstream.
+(``schemas.parse_completion``), as a 404 ``model_not_found`` when the model is not served here (as
+any other request for it is), else a 400 ``context_length_exceeded``; an external upstream's window
+is unknown here: its prompts are bounded by ``max_prompt_chars`` and by the upstream.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.json_body import load_json
 from gateway.schemas import ChatRequest, CompletionRequest, parse_completion
 from gateway.state import PIPELINE, UPSTREAMS, WORKER_POOL
@@ -32,11 +34,16 @@ class PromptBounds:
 
     model_to_max_tokens: Mapping[str, int | None]
     default: int | None  # a model not served here: the largest window served (None: none known)
+    known: frozenset[str] | None = None  # every model id served here (None: no worker ready to tell)
 
     def for_model(self, model: Any) -> int | None:
         if isinstance(model, str) and model in self.model_to_max_tokens:
             return self.model_to_max_tokens[model]
         return self.default
+
+    def is_unknown(self, model: Any) -> bool:
+        """True when ``model`` is certainly not served here (``pipeline.resolve_model``'s 404)."""
+        return self.known is not None and not (isinstance(model, str) and model in self.known)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,14 +62,24 @@ def prompt_bounds(request: web.Request) -> PromptBounds:
     }
     default = max((window for window in windows.values() if window), default=None)
     windows.update(dict.fromkeys(app[UPSTREAMS].model_ids))
-    return PromptBounds(model_to_max_tokens=windows, default=default)
+    pool = app[WORKER_POOL]
+    # As resolve_model: while workers exist and none is ready, no model id can be called unknown.
+    ready = bool(pool.models) or not pool.workers
+    known = frozenset(windows) | frozenset(pool.known_model_ids()) if ready else None
+    return PromptBounds(model_to_max_tokens=windows, default=default, known=known)
 
 
 def parse_body(body: bytes, parse: Callable[..., T], bounds: PromptBounds) -> tuple[dict[str, Any], T]:
     """``body`` loaded and parsed by ``parse`` (``parse_chat`` or ``parse_completion``)."""
     raw = load_json(body)
     if parse is parse_completion:  # only a completion's prompt may be token ids
-        return raw, parse(raw, max_prompt_ids=bounds.for_model(raw.get("model")))
+        model = raw.get("model")
+        try:
+            return raw, parse(raw, max_prompt_ids=bounds.for_model(model))
+        except ContextLengthExceeded:
+            if bounds.is_unknown(model):  # the bound was the largest window's: the model comes first
+                raise ModelNotFound(f"The model '{model}' does not exist", param="model") from None
+            raise
     return raw, parse(raw)
 
 

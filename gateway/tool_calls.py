@@ -1,5 +1,8 @@
 """Tool calls: parsed from the model's output into OpenAI ``tool_calls``, and enforced for
-``tool_choice: "required"`` or a named function by a grammar (worker/structured.py).
+``tool_choice: "required"`` or a named function by a grammar (worker/structured.py). Under
+``tool_choice: "auto"`` with a ``strict`` function among the tools, a grammar lets the model answer text
+or calls, and constrains a call once it starts: to an offered function, a strict one's arguments to its
+schema (OpenAI's guarantee), the others' to any object (``auto_call_grammar``).
 
 Two output styles, chosen from the chat template as vLLM's parsers are:
 
@@ -184,20 +187,66 @@ def forced_call_grammar(
     for function in functions:
         parameters = function.get("parameters") or _NO_ARGUMENTS
         check_json_schema(parameters, f"tools[{function['name']}].function.parameters")
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": function["name"]}, key: parameters},
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
-        )
-    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-    schema["x-guidance"] = _JSON_OPTIONS
-    call = f"%json {json.dumps(schema)}"
+        options.append(_call_schema(function["name"], key, parameters))
+    call = _json_rule(options)
     if style == HERMES:
         return {"type": "lark", "grammar": f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n'}
     return {"type": "lark", "grammar": f"start: call\ncall: {call}\n"}
+
+
+# Hermes text that holds no call marker; the marker (after such text) that opens the first call.
+_HERMES_TEXT = r"/(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"
+_HERMES_OPEN = r"/(.|\n)*<tool_call>\n/ & ~/(.|\n)*<tool_call>(.|\n)*<tool_call>\n/"
+# Llama 3 JSON: an answer is calls when it starts with "{" (or the python tag), else text.
+_LLAMA3_TEXT = r"/(.|\n)+/ & ~/[ \t\n]*(\{|<\|python_tag\|>)(.|\n)*/"
+
+
+def auto_call_grammar(style: str, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The worker grammar for ``tool_choice: "auto"`` when a tool is ``strict`` (else None): free text
+    (without a call's start), or text then calls (Hermes; Llama 3 JSON: calls alone), each call to an
+    offered function; a strict function's arguments fit its schema, another's are any object."""
+    functions = [_function(tool, index) for index, tool in enumerate(tools)]
+    if not any(function.get("strict") is True for function in functions):
+        return None
+    key = "arguments" if style == HERMES else "parameters"
+    options = []
+    for function in functions:
+        if function.get("strict") is True:
+            parameters = function.get("parameters") or _NO_ARGUMENTS
+            check_json_schema(parameters, f"tools[{function['name']}].function.parameters")
+        else:
+            parameters = {"type": "object"}
+        options.append(_call_schema(function["name"], key, parameters))
+    call = _json_rule(options)
+    if style == HERMES:
+        return {
+            "type": "lark",
+            "grammar": (
+                'start: TEXT? | OPEN call CLOSE (NEXT call CLOSE)*\nCLOSE: "\\n</tool_call>"\n'
+                'NEXT: "\\n<tool_call>\\n"\n'
+                f"TEXT: {_HERMES_TEXT}\nOPEN: {_HERMES_OPEN}\ncall: {call}\n"
+            ),
+        }
+    return {
+        "type": "lark",
+        "grammar": f'start: TEXT? | call ("; " call)*\nTEXT: {_LLAMA3_TEXT}\ncall: {call}\n',
+    }
+
+
+def _call_schema(name: str, key: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, key: parameters},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
+def _json_rule(options: list[dict[str, Any]]) -> str:
+    """A Lark ``%json`` rule for one of ``options`` (compact JSON, as the response_format grammars)."""
+    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    schema["x-guidance"] = _JSON_OPTIONS
+    return f"%json {json.dumps(schema)}"
 
 
 @dataclass(slots=True)
@@ -237,15 +286,20 @@ class ToolCallStream:
 
 
 def request_tools(request: ChatRequest, tool_style: str) -> tuple[ChatRequest, ToolCallParser | None]:
-    """The request with its forced-call grammar (``tool_choice`` required/named), and the parser of its
-    answer (None: no tools, or ``tool_choice: "none"``). Compiles the grammars' schemas to check them:
-    run it off the event loop."""
+    """The request with its forced-call grammar (``tool_choice`` required/named), or its text-or-call
+    grammar (``auto`` with a strict tool, unless a JSON ``response_format`` constrains the answer: then
+    that grammar alone, as before), and the parser of its answer (None: no tools, or ``tool_choice:
+    "none"``). Compiles the grammars' schemas to check them: run it off the event loop."""
     check_grammar(request.sampling.grammar)
     if not request.tools or request.tool_choice == "none":
         return request, None
     parser = ToolCallParser(style=tool_style, names=tool_names(request.tools))
     grammar = forced_call_grammar(tool_style, request.tools, request.tool_choice)
     if grammar is None:
+        if request.sampling.grammar is None:
+            grammar = auto_call_grammar(tool_style, request.tools)
+        if grammar is not None:
+            return replace(request, sampling=replace(request.sampling, grammar=grammar)), parser
         return request, parser
     if request.sampling.grammar is not None:
         raise InvalidRequest(

@@ -60,6 +60,27 @@ async def _raise_for_worker_error(response: aiohttp.ClientResponse) -> None:
     raise UpstreamError(f"worker error: {message}")
 
 
+class KVEventsTooLarge(UpstreamError):
+    """A ``GET /v1/kv_events`` answer over the gateway's ``kv_events_max_bytes``: refused unread (broken
+    or hostile worker); the consumer treats it as a malformed batch."""
+
+
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, read chunk by chunk up to ``max_bytes``; past it (or a Content-Length over it) the
+    connection is closed and ``KVEventsTooLarge`` raised, so no more than ``max_bytes`` is ever held."""
+    declared = response.content_length
+    if declared is not None and declared > max_bytes:
+        response.close()
+        raise KVEventsTooLarge(f"KV-event answer of {declared} bytes (over {max_bytes})")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 << 10):
+        body += chunk
+        if len(body) > max_bytes:
+            response.close()
+            raise KVEventsTooLarge(f"KV-event answer over {max_bytes} bytes")
+    return bytes(body)
+
+
 class WorkerDisconnected(Unavailable):
     """The connection broke before the worker answered: a stale keep-alive connection to a dead worker
     (the request never arrived) or a worker that died while working on it. The pipeline retries it
@@ -87,8 +108,10 @@ class WorkerClient:
         *,
         timeout_s: float = 600.0,
         health_timeout_s: float = 5.0,
+        kv_events_max_bytes: int = 16 << 20,
     ) -> None:
         self.url = url.rstrip("/")
+        self.kv_events_max_bytes = kv_events_max_bytes
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self._short = aiohttp.ClientTimeout(total=5)
@@ -108,14 +131,15 @@ class WorkerClient:
 
     async def kv_events(self, *, since: int, wait_ms: int, snapshot: str | None = None) -> dict[str, Any]:
         """KV events after ``since`` (long poll of ``wait_ms``), or the snapshot page named by
-        ``snapshot`` (``worker.kv_events``)."""
+        ``snapshot`` (``worker.kv_events``). An answer over ``kv_events_max_bytes`` raises
+        ``KVEventsTooLarge`` having read no more than that."""
         timeout = aiohttp.ClientTimeout(total=wait_ms / 1000 + 5, sock_connect=2)
         params = {"since": str(since), "wait_ms": str(wait_ms)}
         if snapshot is not None:
             params["snapshot"] = snapshot
         async with self._session.get(self.url + "/v1/kv_events", params=params, timeout=timeout) as response:
             await _raise_for_worker_error(response)
-            return await _read_json(response)
+            return orjson.loads(await _read_capped(response, self.kv_events_max_bytes))
 
     async def stats(self) -> dict[str, Any]:
         return await self._get("/v1/stats")

@@ -77,11 +77,18 @@ class WorkerPool:
         *,
         timeout_s: float = 600.0,
         health_timeout_s: float = 5.0,
+        kv_events_max_bytes: int = 16 << 20,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.workers = {
             url: WorkerState(
-                WorkerClient(url, session, timeout_s=timeout_s, health_timeout_s=health_timeout_s)
+                WorkerClient(
+                    url,
+                    session,
+                    timeout_s=timeout_s,
+                    health_timeout_s=health_timeout_s,
+                    kv_events_max_bytes=kv_events_max_bytes,
+                )
             )
             for url in urls
         }
@@ -96,6 +103,10 @@ class WorkerPool:
             for model_id, group in self._models.items()
             if any(self.workers[url].healthy for url in group.worker_urls)
         }
+
+    def known_model_ids(self) -> list[str]:
+        """Every model a worker has reported, healthy or not."""
+        return list(self._models)
 
     def model(self, model_id: str) -> ModelRuntime | None:
         group = self._models.get(model_id)

@@ -27,6 +27,7 @@ Written by the engine thread, read by the HTTP handlers: a lock guards the ring 
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -159,25 +160,28 @@ class KVEventLog:
 
     def _append(self, kind: str, medium: str, **fields: Any) -> None:
         with self._lock:
-            self._last_seq += 1
-            self._events.append(KVEvent(seq=self._last_seq, kind=kind, medium=medium, **fields))
-            blocks = self._state.setdefault(medium, {})
-            announced = self._announced_s.get(medium)
-            if kind == BLOCK_STORED:
-                blocks[fields["block_hash"]] = (fields["parent_hash"], fields["namespace_id"])
-                if announced is not None:
-                    announced[fields["block_hash"]] = self._clock()
-                    announced.move_to_end(fields["block_hash"])
-            elif kind == BLOCK_REMOVED:
-                blocks.pop(fields["block_hash"], None)
-                if announced is not None:
-                    announced.pop(fields["block_hash"], None)
-            else:
-                blocks.clear()
-                if announced is not None:
-                    announced.clear()
+            self._append_locked(kind, medium, **fields)
+
+    def _append_locked(self, kind: str, medium: str, **fields: Any) -> None:
+        self._last_seq += 1
+        self._events.append(KVEvent(seq=self._last_seq, kind=kind, medium=medium, **fields))
+        blocks = self._state.setdefault(medium, {})
+        announced = self._announced_s.get(medium)
+        if kind == BLOCK_STORED:
+            blocks[fields["block_hash"]] = (fields["parent_hash"], fields["namespace_id"])
             if announced is not None:
-                self._trim(medium, slack=STATE_SLACK)
+                announced[fields["block_hash"]] = self._clock()
+                announced.move_to_end(fields["block_hash"])
+        elif kind == BLOCK_REMOVED:
+            blocks.pop(fields["block_hash"], None)
+            if announced is not None:
+                announced.pop(fields["block_hash"], None)
+        else:
+            blocks.clear()
+            if announced is not None:
+                announced.clear()
+        if announced is not None:
+            self._trim(medium, slack=STATE_SLACK)
 
     def stored(
         self, medium: str, block_hash: BlockHash, parent_hash: BlockHash | None, namespace_id: str
@@ -191,6 +195,21 @@ class KVEventLog:
 
     def cleared(self, medium: str) -> None:
         self._append(ALL_BLOCKS_CLEARED, medium)
+
+    def now(self) -> float:
+        """The log's clock: take it before a read whose misses go to ``missed``."""
+        return self._clock()
+
+    def missed(self, medium: str, block_hashes: Iterable[BlockHash], *, read_at: float) -> int:
+        """A read that began at ``read_at`` (``now()``) found these blocks gone: announce removed those
+        ``medium``'s state holds, unless announced stored since (stored again while the read ran; a
+        medium without a bound keeps no times: every held one goes). Returns how many were removed."""
+        with self._lock:
+            held, announced = self._state.get(medium, {}), self._announced_s.get(medium, {})
+            gone = [h for h in block_hashes if h in held and announced.get(h, -math.inf) < read_at]
+            for block_hash in gone:
+                self._append_locked(BLOCK_REMOVED, medium, block_hash=block_hash)
+        return len(gone)
 
     def since(self, seq: int, *, max_events: int = 4096) -> KVEventBatch:
         """Events with a sequence number above ``seq`` (at most ``max_events``, oldest first)."""
@@ -334,6 +353,13 @@ class TierEvents:
     def removed(self, block_hashes: Iterable[BlockHash]) -> None:
         for block_hash in block_hashes:
             self._log.removed(self.medium, block_hash)
+
+    def now(self) -> float:
+        return self._log.now()
+
+    def missed(self, block_hashes: Iterable[BlockHash], *, read_at: float) -> int:
+        """Blocks a read that began at ``read_at`` found gone (``KVEventLog.missed``)."""
+        return self._log.missed(self.medium, block_hashes, read_at=read_at)
 
     def bound(self, *, ttl_s: float, max_blocks: int) -> None:
         """The tier drops blocks unannounced after ``ttl_s`` or beyond ``max_blocks``

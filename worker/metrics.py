@@ -48,9 +48,11 @@ TIER_EVENTS = {
         "no_room",
         "write_errors",
         "corrupt_deleted",
+        "reads_evicted",
         "foreign_deleted",
         "files_evicted",
         "dir_recreated",
+        "open_failed",
     ),
     "remote": ("blocks_written", "blocks_evicted", "blocks_read", "errors", "corrupt_deleted"),
 }

@@ -57,6 +57,14 @@ def _optional(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return _require(body, name, kind)
 
 
+def _float(raw: Mapping[str, Any], name: str, default: float) -> float:
+    """An optional JSON number as a float; an integer too large for one (10**400) is a BadRequest."""
+    try:
+        return float(_optional(raw, name, (int, float), default))
+    except OverflowError:
+        raise BadRequest(f"{name} is out of range", param=name) from None
+
+
 def parse_namespace_id(value: Any, param: str = "namespace_id") -> str:
     """A namespace id as sent by the gateway (``global``, ``promoted``, ``t-<hex>``), or a BadRequest."""
     if not isinstance(value, str) or _NAMESPACE_ID.fullmatch(value) is None:
@@ -102,9 +110,8 @@ def parse_sampling(raw: Any) -> SamplingParams:
         return SamplingParams()
     if not isinstance(raw, dict):
         raise BadRequest("'sampling' must be an object", param="sampling")
-    number = (int, float)
-    temperature = float(_optional(raw, "temperature", number, 1.0))
-    top_p = float(_optional(raw, "top_p", number, 1.0))
+    temperature = _float(raw, "temperature", 1.0)
+    top_p = _float(raw, "top_p", 1.0)
     # NaN and infinities (Python's json accepts them) fail these range checks too.
     if not 0.0 <= temperature <= 100.0:
         raise BadRequest("temperature must be in [0, 100]", param="temperature")
@@ -147,7 +154,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
 
 
 def _penalty(raw: Mapping[str, Any], name: str) -> float:
-    value = float(_optional(raw, name, (int, float), 0.0))
+    value = _float(raw, name, 0.0)
     if not -2.0 <= value <= 2.0:
         raise BadRequest(f"{name} must be in [-2, 2]", param=name)
     return value
@@ -158,7 +165,8 @@ def _logit_bias(raw: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
     bias = _optional(raw, "logit_bias", dict, {})
     pairs = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+        # ASCII digits only: str.isdigit() also takes "²" and "①", which int() refuses.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10):
             raise BadRequest("logit_bias keys must be token ids", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
             raise BadRequest("logit_bias values must be numbers in [-100, 100]", param="logit_bias")

@@ -127,6 +127,22 @@ async def test_n_choices_share_the_prompt_and_are_seeded(sdk):
     assert [c.index for c in completions.choices] == [0, 1]
 
 
+async def test_n_choices_at_the_largest_seed_wrap_to_seed_zero(sdk):
+    """Choice i's seed is (seed + i) mod 2**64: n=2 at seed 2**64-1 was a 500 (choice 1 got 2**64)."""
+    body = {
+        "model": MODEL,
+        "messages": messages(),
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    top = await sdk.chat.completions.create(**body, n=2, seed=2**64 - 1)
+    last = await sdk.chat.completions.create(**body, n=1, seed=2**64 - 1)
+    zero = await sdk.chat.completions.create(**body, n=1, seed=0)
+    texts = [c.message.content for c in top.choices]
+    assert texts == [last.choices[0].message.content, zero.choices[0].message.content]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

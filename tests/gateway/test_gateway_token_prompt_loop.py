@@ -14,7 +14,9 @@ import asyncio
 import json
 import time
 
+import openai
 import pytest
+from openai import AsyncOpenAI
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.schemas import parse_completion
@@ -91,3 +93,19 @@ def test_a_token_list_longer_than_the_window_is_refused_from_its_length():
     for bad in ([1, True], [1, -1], [1, 2.0]):  # within the window, each id is still checked
         with pytest.raises(InvalidRequest):
             parse_completion({"model": "m", "prompt": bad}, max_prompt_ids=4096)
+
+
+async def test_a_long_token_id_prompt_for_an_unknown_model_is_a_404(gateway):
+    """A token-id prompt longer than the largest window served, for a model not served here: main said
+    400 context_length_exceeded (the bound of an unknown model is the largest window), where any other
+    request for that model is a 404 model_not_found; the model is now looked at first."""
+    key = (await create_tenant(gateway))["api_key"]
+    sdk = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await sdk.completions.create(model="gpt-9", prompt=[1] * 5000, max_tokens=1)
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+    with pytest.raises(openai.NotFoundError):  # short: the same answer as before
+        await sdk.completions.create(model="gpt-9", prompt=[1] * 10, max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as too_long:  # a served model keeps its 400
+        await sdk.completions.create(model="random-tiny", prompt=[1] * 5000, max_tokens=1)
+    assert too_long.value.code == "context_length_exceeded"

@@ -208,3 +208,63 @@ async def test_a_deleted_shared_tenants_prompts_are_forgotten_from_the_global_ke
     # The global key itself is never forgotten: bob (and alice, were she re-created) are remembered still.
     await near_miss.route(BOB, runtime, alices, SHARED_SEGMENTS, request(), URLS[2])
     assert len(near_miss._recent_of(runtime.model_id, SHARED_SEGMENTS)) == 2
+
+
+def _num_held(routing: NearMissRouting) -> int:
+    """Entries in every container the routing keeps (its bookkeeping, whatever its names)."""
+    return sum(len(value) for value in vars(routing).values() if isinstance(value, dict | set | list))
+
+
+def _segments_at(epoch: int) -> tuple[NamespaceSegment, ...]:
+    key = NamespaceKey(epoch.to_bytes(4, "little") * 8)  # a tenant's key changes with its epoch
+    return (NamespaceSegment(start_token=0, namespace_id=f"ns_a{epoch}", key=key),)
+
+
+async def test_repeated_purges_leave_bounded_bookkeeping_and_late_requests_out(near_miss, runtime):  # noqa: F811
+    """Main kept every purged key (``_forgotten``) for ever: 300 purges of one tenant, 300 keys. A key
+    is now refused by its epoch (older than the tenant's newest), which is one number per tenant; a
+    request prepared before a purge (older epoch) is still routed exactly and remembered nowhere."""
+    first, second = prompt_pair(9)
+    sizes = []
+    for epoch in range(300):
+        tenant = TenantPolicy(tenant_id="tn_a", name="a", near_miss_routing=True, epoch=epoch)
+        await near_miss.route(tenant, runtime, first, _segments_at(epoch), request(), URLS[0])
+        await near_miss.forget_tenant(tenant.tenant_id, epoch=epoch + 1)  # the admin's purge bumped it
+        late = await near_miss.route(tenant, runtime, second, _segments_at(epoch), request(), URLS[1])
+        assert late.worker_url == URLS[1] and late.exact_tokens is None
+        assert near_miss._recent_of(runtime.model_id, _segments_at(epoch)) == []
+        sizes.append(_num_held(near_miss))
+    assert max(sizes) <= 8 and sizes[-1] == sizes[10], sizes[::30]
+    # The newest epoch is remembered as ever.
+    tenant = TenantPolicy(tenant_id="tn_a", name="a", near_miss_routing=True, epoch=300)
+    await near_miss.route(tenant, runtime, first, _segments_at(300), request(), URLS[0])
+    assert len(near_miss._recent_of(runtime.model_id, _segments_at(300))) == 1
+    assert await near_miss.findings("tn_a") == []
+
+
+class Policies:
+    """The tenant policies in force, as ``tenancy.cache.PolicyCache`` answers them (a snapshot)."""
+
+    def __init__(self, *tenants: TenantPolicy) -> None:
+        self.by_id, self.ready = {tenant.tenant_id: tenant for tenant in tenants}, True
+
+    def get(self, tenant_id: str) -> TenantPolicy | None:
+        return self.by_id.get(tenant_id)
+
+
+async def test_a_request_prepared_before_its_tenant_was_deleted_leaves_nothing_behind(runtime):  # noqa: F811
+    """The sweep drops a deleted tenant's epoch (no per-deletion state): a request prepared before the
+    deletion that arrives after it is refused by the policies in force instead."""
+    policies = Policies(TENANT)
+    routing = NearMissRouting(embedder=PromptEmbedder(), policies=policies, sweep_s=3600)
+    first, second = prompt_pair(10)
+    await routing.route(TENANT, runtime, first, SEGMENTS, request(), URLS[0])
+    await routing.forget_tenant(TENANT.tenant_id, epoch=TENANT.epoch + 1)
+    del policies.by_id[TENANT.tenant_id]  # then deleted
+    routing.sweep()
+    assert not routing._epoch_of and not routing._keys_of
+    late = await routing.route(TENANT, runtime, second, SEGMENTS, request(), URLS[1])
+    assert late.worker_url == URLS[1] and late.exact_tokens is None
+    assert routing._recent_of(runtime.model_id, SEGMENTS) == [] and not routing._keys_of
+    assert await routing.findings(TENANT.tenant_id) == []
+    await routing.close()

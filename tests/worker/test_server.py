@@ -98,6 +98,14 @@ async def test_generate_stream_and_non_stream_agree_and_report_usage(worker_url)
         (body("x", [1, 2], namespace=[{"start_token": 0, "namespace_id": "..", "key": KEY}]), "namespace_id"),
         (body("x", [1, 2], owner="a:b"), "'owner'"),
         (body("x", [1, 2], owner=7), "'owner'"),
+        # isdigit() but not int(): superscript two, circled one (were a 500)
+        (body("x", [1, 2], sampling={"logit_bias": {"\u00b2": 1}}), "logit_bias"),
+        (body("x", [1, 2], sampling={"logit_bias": {"\u2460": 1}}), "logit_bias"),
+        # integers too large for a float (OverflowError, were a 500)
+        (body("x", [1, 2], sampling={"temperature": 10**400}), "temperature"),
+        (body("x", [1, 2], sampling={"top_p": 10**400}), "top_p"),
+        (body("x", [1, 2], sampling={"presence_penalty": 10**400}), "presence_penalty"),
+        (body("x", [1, 2], sampling={"frequency_penalty": -(10**400)}), "frequency_penalty"),
     ],
 )
 async def test_bad_input_gets_an_openai_style_400(worker_url, payload, message):

@@ -241,9 +241,12 @@ class DiskTier:
 
     # ---- index ---------------------------------------------------------------------------------
     def _register(self, path: Path, namespace_id: str, records: Sequence[BlockRecord], size: int) -> None:
+        """Index one file; a duplicate of what the index holds is deleted, unless a registered file uses
+        its path (the same first block: the same name)."""
         with self._lock:
             if any(r.block_hash in self.index for r in records):
-                path.unlink(missing_ok=True)  # a duplicate of what another file holds
+                if all(info.path != path for info in self.files.values()):
+                    path.unlink(missing_ok=True)  # a duplicate of what another file holds
                 return
             file_id = next(self._ids)
             self.files[file_id] = DiskFile(file_id, path, namespace_id, size, tuple(records))
@@ -319,11 +322,13 @@ class DiskTier:
     def read(self, file_id: int, first: int, count: int) -> tuple[list[BlockRecord], torch.Tensor]:
         """Decode blocks ``first … first+count-1`` of one file.
 
-        Raises CorruptEntry (after deleting the file) when it is damaged.
+        Raises CorruptEntry (after deleting the file) when it is damaged, or when it was evicted meanwhile
+        (a miss, counted in ``reads_evicted_total``, not as damage).
         """
         with self._lock:
             info = self.files.get(file_id)
             if info is None:
+                self.counters["reads_evicted_total"] += 1
                 raise CorruptEntry("file was evicted")
             if file_id in self.policy:
                 self.policy.on_hit(BlockId(file_id), time.monotonic())
@@ -344,6 +349,10 @@ class DiskTier:
             region = payloads(data, header, first, count)
             blocks = codec.decode(region, count, self.block_shape, self.dtype)
         except (CorruptEntry, OSError) as exc:
+            with self._lock:
+                if file_id not in self.files:  # evicted or purged after the look-up (unlinked): a miss
+                    self.counters["reads_evicted_total"] += 1
+                    raise CorruptEntry("file was evicted") from None
             log.warning("deleting damaged KV file %s: %s", info.path, exc)
             with self._lock:
                 if file_id in self.files:
@@ -364,7 +373,11 @@ class DiskTier:
         if not self.accepting:
             self.counters["blocks_refused_total"] += len(blocks)
             return 0
-        fresh = [b for b in blocks if b.record.block_hash not in self.index]
+        fresh, seen = [], set()
+        for block in blocks:  # once each: a clean stop's flush hands L1's blocks and L2's copies of them
+            if (block_hash := block.record.block_hash) not in self.index and block_hash not in seen:
+                seen.add(block_hash)
+                fresh.append(block)
         written = 0
         for run in group_runs(fresh, self.max_blocks_per_file):
             try:
@@ -421,11 +434,15 @@ class DiskTier:
                 handle.write(entry)
                 handle.flush()
                 os.fsync(handle.fileno())
-            tmp.rename(path)
+            with self._lock:  # never renamed over a registered file (same first block, same name)
+                if any(b.record.block_hash in self.index for b in run):
+                    tmp.unlink(missing_ok=True)
+                    return 0
+                tmp.rename(path)
+                self._register(path, namespace_id, [b.record for b in run], len(entry))
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        self._register(path, namespace_id, [b.record for b in run], len(entry))
         self.counters["blocks_written_total"] += len(run)
         self.counters["bytes_written_total"] += len(entry)
         return len(run)

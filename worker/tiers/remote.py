@@ -190,6 +190,12 @@ class RemoteTier:
         if self.events is not None:
             self.events.removed(_hash_of(key) for key in keys)
 
+    def _missed(self, block_hashes: Sequence[BlockHash], read_at: float) -> None:
+        """A read found these blocks gone: those this worker announced (and not again since the read
+        began) are announced removed, so the gateways stop crediting them before their TTL."""
+        if self.events is not None:
+            self.events.missed(block_hashes, read_at=read_at)
+
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
         """Ask for a dedicated owner's own LRU partition of up to ``num_bytes`` (0: none any more), which
         others' writes never evict.
@@ -299,6 +305,7 @@ class RemoteTier:
         chunks: list[tuple[Codec, bytes]] = []  # verified payloads, each with the codec it was written in
         if not self.available:
             return records, None
+        read_at = self.events.now() if self.events is not None else 0.0
         try:
             for start in range(0, len(hashes), batch):
                 keys = [
@@ -311,7 +318,8 @@ class RemoteTier:
                 found = 0
                 for offset, value in enumerate(values):
                     k = start + offset
-                    if value is None:
+                    if value is None:  # gone (evicted, expired, Redis flushed): no longer credited
+                        self._missed([hashes[start + i] for i, v in enumerate(values) if v is None], read_at)
                         break
                     try:
                         if self.cipher is not None:
@@ -340,6 +348,7 @@ class RemoteTier:
                         keys[:found], namespace_ids[start : start + found], records[-found:], start
                     )
                     if refreshed < found:  # purged or evicted since the read: the run ends there
+                        self._missed([hashes[start + refreshed]], read_at)
                         del records[len(records) - found + refreshed :]
                         del chunks[len(chunks) - found + refreshed :]
                         found = refreshed

@@ -169,19 +169,26 @@ class TieredStore:
         )
         cipher = AtRestCipher(config.at_rest_key) if config.at_rest_key else None
         self.disk = None
+        self.disk_open_failed = False  # --l3-dir given but unusable (read-only, no permission): no L3
         if config.l3_dir is not None:
-            self.disk = DiskTier(
-                config.l3_dir,
-                budget_bytes=config.l3_bytes,
-                fingerprint=fingerprint,
-                codec=config.l3_codec,
-                block_shape=self.block_shape,
-                dtype=self.dtype,
-                eviction_policy=config.eviction_policy,
-                min_free_bytes=config.l3_min_free_bytes,
-                cipher=cipher,
-                events=TierEvents(kv_events, "L3") if kv_events is not None else None,
-            )
+            try:
+                self.disk = DiskTier(
+                    config.l3_dir,
+                    budget_bytes=config.l3_bytes,
+                    fingerprint=fingerprint,
+                    codec=config.l3_codec,
+                    block_shape=self.block_shape,
+                    dtype=self.dtype,
+                    eviction_policy=config.eviction_policy,
+                    min_free_bytes=config.l3_min_free_bytes,
+                    cipher=cipher,
+                    events=TierEvents(kv_events, "L3") if kv_events is not None else None,
+                )
+            except OSError as exc:  # the worker still serves, from L1 and L2 (and Redis)
+                log.warning(
+                    "running without the L3 disk tier: cannot use --l3-dir %s: %s", config.l3_dir, exc
+                )
+                self.disk_open_failed = True
         self.remote = None
         if config.remote_url:
             self.remote = RemoteTier(
@@ -553,6 +560,7 @@ class TieredStore:
             for b in pool.blocks
             if b.block_hash is not None and b.block_hash not in self.disk
         ]
+        in_l1 = {b.record.block_hash for b in blocks}  # a block loaded back from L2 is in both: once
         blocks += [
             DemotedBlock(
                 record=self.l2.record(b.block_id),
@@ -561,7 +569,7 @@ class TieredStore:
                 data=self.l2.data[b.block_id].clone(),
             )
             for b, position in self.l2.resident()
-            if b.block_hash not in self.disk
+            if b.block_hash not in self.disk and b.block_hash not in in_l1
         ]
         return self.disk.write(blocks)
 
@@ -612,6 +620,8 @@ class TieredStore:
         }
         if self.disk is not None:
             out["l3"] = self.disk.stats()
+        elif self.disk_open_failed:  # tier_accepting{tier="l3"} 0, tier_events{event="open_failed"} 1
+            out["l3"] = {"accepting": 0, "open_failed_total": 1}
         if self.remote is not None:
             out["remote"] = self.remote.stats()
         return out

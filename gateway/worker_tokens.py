@@ -1,0 +1,56 @@
+"""The tokens-per-minute window of a bundled-worker request, corrected once the answer is known.
+
+The check (``openai_api.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
+does; the worker usually generates fewer. Once the request ends, its window is corrected to what the
+worker did: the prompt (when a worker took the request) plus the completion tokens generated (the
+worker's usage) or, for an answer that did not complete, those delivered. A refund goes back to the
+window the check counted in, while it is current (``gateway.ratelimit``); a charge (a request that used
+more than it was counted, which the worker's max_tokens should prevent) lands in the current one. As the
+upstream path's ``upstream_serve.settle_token_limit``, the correction runs in its own task: a client
+hanging up while it runs does not stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from gateway.billing import TenantCall
+from gateway.ratelimit import tokens_key
+from gateway.state import RATE_LIMITER
+
+_SETTLING: set[asyncio.Task] = set()  # corrections under way: a reference until each ends
+
+
+def num_worker_tokens_used(call: TenantCall) -> int:
+    """Prompt + completion tokens the request took from the workers (0: no worker took it)."""
+    if call.prepared is None:  # refused or failed before routing: nothing ran
+        return 0
+    usage = call.usage or call.prompt_usage or {}
+    prompt = int(usage.get("prompt_tokens", call.num_prompt_tokens))
+    completion = int(call.usage.get("completion_tokens", 0)) if call.usage else call.delivered_tokens
+    return prompt + completion
+
+
+async def _settle(request: web.Request, call: TenantCall, counted: int) -> None:
+    used = num_worker_tokens_used(call)
+    if used == counted:
+        return
+    limiter, key = request.config_dict[RATE_LIMITER], tokens_key(call.tenant.tenant_id)
+    if used > counted:
+        await limiter.charge(key, used - counted)
+    else:
+        await limiter.refund(key, counted - used, call.tokens_counted)
+
+
+async def settle_worker_tokens(request: web.Request, call: TenantCall) -> None:
+    """Correct the window once (later calls do nothing); only for a request whose check counted."""
+    counted = call.worker_limit_tokens
+    if counted is None or call.tokens_settled or not call.tenant.rate_limit_tpm:
+        return
+    call.tokens_settled = True
+    task = asyncio.ensure_future(_settle(request, call, counted))
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+    await asyncio.shield(task)
