@@ -18,9 +18,11 @@ from gateway.errors import (
     NotFoundError,
     PermissionDenied,
 )
+from gateway.expect import expect_continue
 from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
 from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
+from gateway.slow_clients import request_body
 from gateway.state import CONFIG, NEAR_MISS, POLICY_CACHE, REPOSITORY, WORKER_POOL
 from policies.isolation import tenant_namespace_id
 from tenancy.keys import tokens_equal
@@ -87,7 +89,7 @@ def _no_nul(value: Any, where: str) -> None:
 
 
 async def _admin_body(request: web.Request) -> dict[str, Any]:
-    body = await read_json(await request.read())
+    body = await read_json(await request_body(request))
     _no_nul(body, "")
     return body
 
@@ -265,22 +267,22 @@ async def workers_status(request: web.Request) -> web.Response:
 def create_admin_app() -> web.Application:
     admin = web.Application(middlewares=[admin_auth_middleware])
     r = admin.router
-    r.add_post("/tenants", create_tenant)
-    r.add_get("/tenants", list_tenants)
-    r.add_get("/tenants/{tenant_id}", get_tenant)
-    r.add_patch("/tenants/{tenant_id}", update_tenant)
-    r.add_delete("/tenants/{tenant_id}", delete_tenant)
-    r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant)
-    r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings)
-    r.add_get("/namespace-secret", namespace_secret_status)
-    r.add_post("/namespace-secret/rotate", rotate_namespace_secret)
-    r.add_get("/tenants/{tenant_id}/keys", list_keys)
-    r.add_post("/tenants/{tenant_id}/keys", create_key)
-    r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key)
-    r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key)
-    r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key)
-    r.add_get("/audit", audit_log)
-    r.add_get("/workers", workers_status)
+    r.add_post("/tenants", create_tenant, expect_handler=expect_continue)
+    r.add_get("/tenants", list_tenants, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}", get_tenant, expect_handler=expect_continue)
+    r.add_patch("/tenants/{tenant_id}", update_tenant, expect_handler=expect_continue)
+    r.add_delete("/tenants/{tenant_id}", delete_tenant, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/invalidate", invalidate_tenant, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}/near-miss", near_miss_findings, expect_handler=expect_continue)
+    r.add_get("/namespace-secret", namespace_secret_status, expect_handler=expect_continue)
+    r.add_post("/namespace-secret/rotate", rotate_namespace_secret, expect_handler=expect_continue)
+    r.add_get("/tenants/{tenant_id}/keys", list_keys, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys", create_key, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys/rotate", rotate_key, expect_handler=expect_continue)
+    r.add_post("/tenants/{tenant_id}/keys/{key_id}/revoke", revoke_key, expect_handler=expect_continue)
+    r.add_delete("/tenants/{tenant_id}/keys/{key_id}", revoke_key, expect_handler=expect_continue)
+    r.add_get("/audit", audit_log, expect_handler=expect_continue)
+    r.add_get("/workers", workers_status, expect_handler=expect_continue)
     admin_cache.add_routes(admin)
     admin_reports.add_routes(admin)
     return admin

@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import ConflictError, UpstreamError
+from gateway.expect import expect_continue
 from gateway.purge import PurgeResult, purge_namespaces
 from gateway.state import (
     CONFIG,
@@ -136,7 +137,9 @@ async def purge_tenant(request: web.Request) -> web.Response:
 
 
 def add_routes(admin: web.Application) -> None:
-    admin.router.add_get("/hot-prefixes", list_hot_prefixes)
-    admin.router.add_get("/hot-prefixes/{hot_prefix_id}", get_hot_prefix)
-    admin.router.add_delete("/hot-prefixes/{hot_prefix_id}", revoke_hot_prefix)
-    admin.router.add_post("/tenants/{tenant_id}/purge", purge_tenant)
+    admin.router.add_get("/hot-prefixes", list_hot_prefixes, expect_handler=expect_continue)
+    admin.router.add_get("/hot-prefixes/{hot_prefix_id}", get_hot_prefix, expect_handler=expect_continue)
+    admin.router.add_delete(
+        "/hot-prefixes/{hot_prefix_id}", revoke_hot_prefix, expect_handler=expect_continue
+    )
+    admin.router.add_post("/tenants/{tenant_id}/purge", purge_tenant, expect_handler=expect_continue)

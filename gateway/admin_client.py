@@ -64,11 +64,19 @@ class AdminClient:
         except (ValueError, OSError) as exc:  # e.g. an unsupported scheme, a bad port, a reset connection
             raise AdminError(0, f"cannot reach {self.base_url}: {exc}") from None
 
-    def resolve_tenant(self, ref: str) -> str:
-        """A tenant id from an id or a name."""
-        if ref.startswith("tn_"):
+    def resolve_tenant(self, ref: str, *, is_id: bool = False) -> str:
+        """The id of the tenant ``ref`` names: with ``is_id``, ``ref`` is that id as is; else the one
+        tenant whose id or name ``ref`` is. A name may look like an id (``tn_…``): a reference that is one
+        tenant's id and another tenant's name is refused (409, asking for ``--id``) rather than guessed,
+        since ``delete`` or ``purge`` would then erase the wrong tenant."""
+        if is_id:
             return ref
-        for tenant in self.request("GET", "/tenants")["data"]:
-            if tenant["name"] == ref:
-                return tenant["id"]
-        raise AdminError(404, f"no tenant named {ref!r}")
+        tenants = self.request("GET", "/tenants")["data"]
+        matches = {tenant["id"] for tenant in tenants if ref in (tenant["id"], tenant["name"])}
+        if len(matches) > 1:
+            raise AdminError(
+                409, f"{ref!r} is a tenant's id and another tenant's name: to mean the id, pass --id"
+            )
+        if not matches:
+            raise AdminError(404, f"no tenant named {ref!r}, nor with that id")
+        return matches.pop()

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import InvalidRequest, Unavailable
+from gateway.expect import expect_continue
 from gateway.state import SESSIONMAKER, USAGE_WRITER
 from tenancy.reports import (
     EXPORT_FIELDS,
@@ -180,7 +181,7 @@ async def rejected_retry_handler(request: web.Request) -> web.Response:
 
 
 def add_routes(admin: web.Application) -> None:
-    admin.router.add_get("/reports/usage", usage_report_handler)
-    admin.router.add_get("/reports/requests", request_export_handler)
-    admin.router.add_get("/usage/rejected", rejected_list_handler)
-    admin.router.add_post("/usage/rejected/retry", rejected_retry_handler)
+    admin.router.add_get("/reports/usage", usage_report_handler, expect_handler=expect_continue)
+    admin.router.add_get("/reports/requests", request_export_handler, expect_handler=expect_continue)
+    admin.router.add_get("/usage/rejected", rejected_list_handler, expect_handler=expect_continue)
+    admin.router.add_post("/usage/rejected/retry", rejected_retry_handler, expect_handler=expect_continue)

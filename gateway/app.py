@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -22,6 +23,7 @@ from gateway.cpu import CpuPool
 from gateway.drain import Drain, on_shutdown
 from gateway.embedding import PromptEmbedder
 from gateway.errors import AuthenticationError, error_middleware
+from gateway.expect import BODY_GATE, expect_continue
 from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.kv_relay import RedisKVRelay
@@ -37,7 +39,7 @@ from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
-from gateway.slow_clients import STARTED, read_body_middleware
+from gateway.slow_clients import STARTED, admit_body, read_body_middleware
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -100,7 +102,8 @@ async def database_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = create_engine(config.resolved_database_url)
     sessionmaker = create_sessionmaker(engine)
     repository = TenantRepository(sessionmaker)
-    cache = PolicyCache(repository, refresh_s=config.policy_refresh_s)
+    # Every replica drops a deleted tenant's metric series when its reload no longer shows the tenant.
+    cache = PolicyCache(repository, refresh_s=config.policy_refresh_s, on_reload=app[METRICS].forget_tenants)
     app[ENGINE], app[SESSIONMAKER], app[REPOSITORY], app[POLICY_CACHE] = (
         engine,
         sessionmaker,
@@ -298,9 +301,17 @@ def create_app(config: GatewayConfig) -> web.Application:
             authorize_from_headers,
         ),
     ]
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    # auto_decompress off: bodies are decoded by read_body_middleware (gateway.content_encoding).
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=config.max_body_bytes,
+        handler_args={"auto_decompress": False},
+    )
     app.on_response_prepare.append(request_id.add_request_id_header)
     app[STARTED] = weakref.WeakSet()
+    app[BODY_GATE] = functools.partial(
+        admit_body, max_body_bytes=config.max_body_bytes, authorize=authorize_from_headers
+    )
     app[CONFIG] = config
     app[UNKNOWN_FIELDS] = UnknownFields()
     app[ADMISSION] = AdmissionGate(
@@ -330,7 +341,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         ]
     )
     openai_api.add_routes(app)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/openapi.json", openapi_handler)
+    app.router.add_get("/metrics", metrics_handler, expect_handler=expect_continue)
+    app.router.add_get("/openapi.json", openapi_handler, expect_handler=expect_continue)
     app.add_subapp("/admin/v1/", create_admin_app())
     return app

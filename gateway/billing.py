@@ -50,6 +50,7 @@ class TenantCall:
     prompt_usage: dict[str, Any] | None = None  # the prompt's usage from a stream's first token
     delivered_tokens: int = 0  # completion tokens whose text was written to the client
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
+    worker_refused: bool = False  # every worker refused it unstarted (queue full, unreachable, invalid)
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request
     requests_counted: Counted | None = None  # where its first unit of requests per minute was counted
     tokens_counted: Counted | None = None  # where its tokens per minute were counted (refunds go there)

@@ -14,10 +14,12 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from gateway.admin_client import AdminClient, AdminError
+from gateway.cli_reports import request_export, usage_report
 
 POLICY_OPTIONS = {
     # option -> (field, type)
@@ -122,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     admin_parent.add_argument("--admin-token", default=None)
     admin_parent.add_argument("--data-dir", default=None, help="where to find admin_token")
 
+    tenant_ref = argparse.ArgumentParser(add_help=False)  # commands that name a tenant by id or name
+    tenant_ref.add_argument(
+        "--id",
+        dest="tenant_is_id",
+        action="store_true",
+        help="the tenant is given by its id (needed when another tenant is named like that id)",
+    )
+
     tenant = sub.add_parser("tenant", help="manage tenants through the admin API")
     t_sub = tenant.add_subparsers(dest="tenant_command", required=True)
     create = t_sub.add_parser("create", parents=[admin_parent])
@@ -129,15 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_options(create)
     t_sub.add_parser("list", parents=[admin_parent])
     for name in ("get", "delete", "invalidate", "purge", "keys", "add-key", "rotate-key"):
-        t_sub.add_parser(name, parents=[admin_parent]).add_argument("tenant", help="tenant id or name")
-    update = t_sub.add_parser("update", parents=[admin_parent])
+        t_sub.add_parser(name, parents=[admin_parent, tenant_ref]).add_argument(
+            "tenant", help="tenant id or name"
+        )
+    update = t_sub.add_parser("update", parents=[admin_parent, tenant_ref])
     update.add_argument("tenant", help="tenant id or name")
     update.add_argument("--name", dest="new_name", default=None)
     _add_policy_options(update)
-    revoke = t_sub.add_parser("revoke-key", parents=[admin_parent])
+    revoke = t_sub.add_parser("revoke-key", parents=[admin_parent, tenant_ref])
     revoke.add_argument("tenant", help="tenant id or name")
     revoke.add_argument("key_id")
-    audit = t_sub.add_parser("audit", parents=[admin_parent])
+    audit = t_sub.add_parser("audit", parents=[admin_parent, tenant_ref])
     audit.add_argument("--tenant", default=None)
     audit.add_argument("--limit", type=int, default=None)
 
@@ -156,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="usage reports through the admin API")
     r_sub = report.add_subparsers(dest="report_command", required=True)
-    usage = r_sub.add_parser("usage", parents=[admin_parent])
+    usage = r_sub.add_parser("usage", parents=[admin_parent, tenant_ref])
     usage.add_argument("--tenant", default=None, help="tenant id or name")
     usage.add_argument("--start", default=None)
     usage.add_argument("--end", default=None)
@@ -165,12 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--by-end-user", action="store_true", help="one row per end user (`user` field)")
     usage.add_argument("--cursor", default=None, help="one page, after the next_cursor of the previous one")
     usage.add_argument("--limit", type=int, default=None, help="rows per page (default: the gateway's)")
-    requests = r_sub.add_parser("requests", parents=[admin_parent], help="per-request export, one page")
+    requests = r_sub.add_parser(
+        "requests",
+        parents=[admin_parent, tenant_ref],
+        help="per-request export (JSON: one page; CSV: every page)",
+    )
     requests.add_argument("--tenant", default=None, help="tenant id or name")
     requests.add_argument("--start", default=None)
     requests.add_argument("--end", default=None)
-    requests.add_argument("--cursor", default=None, help="next_cursor of the previous page")
-    requests.add_argument("--limit", type=int, default=1000)
+    requests.add_argument("--cursor", default=None, help="start after the next_cursor of a previous page")
+    requests.add_argument("--limit", type=int, default=1000, help="records per page")
     requests.add_argument("--format", choices=["json", "csv"], default="json")
     rejected = r_sub.add_parser("rejected", parents=[admin_parent], help="usage records the database refused")
     rejected.add_argument("--retry", action="store_true", help="try them again now")
@@ -211,9 +227,9 @@ def _tenant_command(client: AdminClient, args: argparse.Namespace) -> Any:
     if command == "list":
         return client.request("GET", "/tenants")
     if command == "audit":
-        tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+        tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id) if args.tenant else None
         return client.request("GET", "/audit", query={"tenant_id": tenant_id, "limit": args.limit})
-    tenant_id = client.resolve_tenant(args.tenant)
+    tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id)
     path = f"/tenants/{_quote(tenant_id)}"
     if command == "update":
         body = _policy_body(args) | ({"name": args.new_name} if args.new_name else {})
@@ -244,31 +260,13 @@ def _report_command(client: AdminClient, args: argparse.Namespace) -> Any:
         if args.retry:
             return client.request("POST", "/usage/rejected/retry")
         return client.request("GET", "/usage/rejected")
-    tenant_id = client.resolve_tenant(args.tenant) if args.tenant else None
+    tenant_id = client.resolve_tenant(args.tenant, is_id=args.tenant_is_id) if args.tenant else None
     query = {"tenant_id": tenant_id, "start": args.start, "end": args.end, "format": args.format}
     if args.report_command == "requests":
-        return client.request(
-            "GET", "/reports/requests", query={**query, "cursor": args.cursor, "limit": args.limit}
-        )
+        return request_export(client, query, args.cursor, args.limit, args.format)
     group_by = "end_user" if args.by_end_user else "key"
     query = {**query, "granularity": args.granularity, "group_by": group_by, "format": "json"}
-    return _usage_report(client, query, args.cursor, args.limit, args.format)
-
-
-def _usage_report(
-    client: AdminClient, query: dict[str, Any], cursor: str | None, limit: int | None, output: str
-) -> Any:
-    """One page after ``cursor``, or (no cursor) the whole report, page after page; CSV is written here
-    from the JSON pages, as the gateway writes it."""
-    from tenancy.reports import REPORT_FIELDS, rows_to_csv  # the CLI's other commands need no SQLAlchemy
-
-    report = client.request("GET", "/reports/usage", query={**query, "cursor": cursor, "limit": limit})
-    while cursor is None and report["has_more"]:
-        page = client.request(
-            "GET", "/reports/usage", query={**query, "cursor": report["next_cursor"], "limit": limit}
-        )
-        report = {**page, "data": report["data"] + page["data"]}
-    return rows_to_csv(report["data"], REPORT_FIELDS) if output == "csv" else report
+    return usage_report(client, query, args.cursor, args.limit, args.format)
 
 
 def _lint(args: argparse.Namespace) -> Any:
@@ -298,6 +296,10 @@ def _diagnose(client: AdminClient) -> dict[str, Any]:
 
 
 def _print(result: Any) -> None:
+    if isinstance(result, Iterator):  # text written as it comes (a CSV export, page after page)
+        for chunk in result:
+            print(chunk, end="", flush=True)
+        return
     print(
         result if isinstance(result, str) else json.dumps(result, indent=2),
         end="" if isinstance(result, str) else "\n",

@@ -219,14 +219,10 @@ class PromptEmbedder:
         self._shed_counter = None
         self._tenant_label: Callable[[str], str] = lambda tenant: tenant
         if metrics is not None:
-            from prometheus_client import Counter
-
             self._tenant_label = metrics.tenant_label
-            self._shed_counter = Counter(
+            self._shed_counter = metrics.tenant_counter(
                 "prefixgate_near_miss_embeddings_shed",
                 "Background near-miss embeddings not queued: the tenant already had the most queued",
-                ["tenant"],
-                registry=metrics.registry,
             )
 
     def _load(self) -> Callable[[str], np.ndarray]:

@@ -7,7 +7,7 @@ itself needs a bearer token (``gateway.app``): the counters are live per-tenant 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -24,21 +24,17 @@ class GatewayMetrics:
         self.tenant_label: Callable[[str], str] = tenant_label or (lambda tenant_id: tenant_id)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "prefixgate_requests", "Tenant API requests", ["tenant", "endpoint", "status"], registry=r
+        self._per_tenant: list[tuple[Counter, tuple[str, ...]]] = []  # metric, its label names
+        self.requests = self.tenant_counter(
+            "prefixgate_requests", "Tenant API requests", ("tenant", "endpoint", "status")
         )
-        self.prompt_tokens = Counter("prefixgate_prompt_tokens", "Prompt tokens", ["tenant"], registry=r)
-        self.cached_tokens = Counter(
-            "prefixgate_cached_tokens", "Prompt tokens served from cache", ["tenant", "tier"], registry=r
+        self.prompt_tokens = self.tenant_counter("prefixgate_prompt_tokens", "Prompt tokens")
+        self.cached_tokens = self.tenant_counter(
+            "prefixgate_cached_tokens", "Prompt tokens served from cache", ("tenant", "tier")
         )
-        self.completion_tokens = Counter(
-            "prefixgate_completion_tokens", "Completion tokens", ["tenant"], registry=r
-        )
-        self.saved_prefill_seconds = Counter(
-            "prefixgate_saved_prefill_seconds",
-            "Estimated prefill time saved by cache hits",
-            ["tenant"],
-            registry=r,
+        self.completion_tokens = self.tenant_counter("prefixgate_completion_tokens", "Completion tokens")
+        self.saved_prefill_seconds = self.tenant_counter(
+            "prefixgate_saved_prefill_seconds", "Estimated prefill time saved by cache hits"
         )
         self.latency = Histogram(
             "prefixgate_request_duration_seconds",
@@ -88,11 +84,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.workers_healthy = Gauge("prefixgate_workers_healthy", "Healthy workers", registry=r)
-        self.canonicalization_fragments = Counter(
+        self.canonicalization_fragments = self.tenant_counter(
             "prefixgate_canonicalization_fragments",
             "Dynamic fragments moved out of the cacheable prefix (mode on) or found (mode report)",
-            ["tenant", "action"],
-            registry=r,
+            ("tenant", "action"),
         )
         self.promotions = Counter(
             "prefixgate_hot_prefix_promotions", "Hot prefixes promoted by this replica", registry=r
@@ -103,11 +98,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.hot_prefixes = Gauge("prefixgate_hot_prefixes", "Promoted hot prefixes in force", registry=r)
-        self.promoted_prefix_tokens = Counter(
+        self.promoted_prefix_tokens = self.tenant_counter(
             "prefixgate_promoted_prefix_tokens",
             "Cached prompt tokens that came from a promoted (global) hot prefix",
-            ["tenant"],
-            registry=r,
         )
         self.purges = Counter("prefixgate_purges", "Tenant purges", ["outcome"], registry=r)
         self.purged_blocks = Counter(
@@ -119,11 +112,9 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
-        self.near_miss_tokens = Counter(
+        self.near_miss_tokens = self.tenant_counter(
             "prefixgate_near_miss_tokens",
             "Cached prompt tokens beyond the exact index's prediction on near-miss routes",
-            ["tenant"],
-            registry=r,
         )
         self.near_miss_embed_seconds = Histogram(
             "prefixgate_near_miss_embed_seconds",
@@ -143,6 +134,33 @@ class GatewayMetrics:
             "Seconds since the policy cache was last checked",
             registry=r,
         )
+
+    def tenant_counter(self, name: str, documentation: str, labels: tuple[str, ...] = ("tenant",)) -> Counter:
+        """A counter with a ``tenant`` label (``tenant_label(tenant_id)``) on this registry: its series of
+        a deleted tenant are dropped by ``forget_tenants``."""
+        if "tenant" not in labels:
+            raise ValueError(f"{name}: a per-tenant counter needs a 'tenant' label")
+        counter = Counter(name, documentation, labels, registry=self.registry)
+        self._per_tenant.append((counter, labels))
+        return counter
+
+    def forget_tenants(self, tenant_ids: Iterable[str]) -> int:
+        """Drop every per-tenant series of a tenant not in ``tenant_ids`` (the tenants of the policy
+        snapshot just loaded: every replica drops a deleted tenant's series at its next reload, else
+        /metrics would grow with every tenant ever created). Returns the number of series dropped."""
+        live = {self.tenant_label(tenant_id) for tenant_id in tenant_ids}
+        num_dropped = 0
+        for counter, labels in self._per_tenant:
+            gone = {
+                tuple(sample.labels[name] for name in labels)
+                for family in counter.collect()
+                for sample in family.samples
+                if sample.labels.get("tenant") not in live
+            }
+            for label_values in gone:
+                counter.remove(*label_values)
+            num_dropped += len(gone)
+        return num_dropped
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -23,6 +23,7 @@ from gateway.errors import (
     ResponseFormatError,
     Unavailable,
 )
+from gateway.expect import expect_continue
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.pipeline import PreparedRequest
@@ -48,7 +49,7 @@ from gateway.state import (
     WORKER_POOL,
 )
 from gateway.tool_calls import ToolCallParser, request_tools
-from gateway.worker_tokens import settle_worker_tokens
+from gateway.worker_tokens import refused_unstarted, settle_worker_tokens
 from tenancy.policy import TenantPolicy
 from tenancy.usage_types import (
     OUTCOME_CLIENT_CANCELLED,
@@ -113,7 +114,7 @@ async def tenant_call(request: web.Request, endpoint: str) -> AsyncIterator[Tena
         call.rate_headers, call.requests_counted = decision.headers("requests"), decision.counted
         yield call
     except APIError as exc:
-        call.status = exc.status
+        call.status, call.worker_refused = exc.status, refused_unstarted(call, exc)
         call.outcome = call.outcome or (OUTCOME_CLIENT_ERROR if exc.status < 500 else OUTCOME_SERVER_ERROR)
         raise
     except (asyncio.CancelledError, ConnectionResetError):
@@ -485,9 +486,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/prompt-lint", prompt_lint)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model}", get_model)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/prompt-lint", prompt_lint, expect_handler=expect_continue)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect_continue)
+    app.router.add_get("/v1/models/{model}", get_model, expect_handler=expect_continue)
+    app.router.add_get("/healthz", healthz, expect_handler=expect_continue)

@@ -21,6 +21,8 @@ _ERRORS = {
     "408": _json(_ref("Error"), "The request body did not arrive within read_timeout_s"),
     "404": _json(_ref("Error"), "Unknown model or object"),
     "413": _json(_ref("Error"), "Body or prompt over the size limit"),
+    "415": _json(_ref("Error"), "A Content-Encoding other than identity, gzip or deflate"),
+    "417": _json(_ref("Error"), "An Expect other than 100-continue"),
     "429": {
         **_json(_ref("Error"), "Tenant limit: requests or tokens per minute, or requests in flight"),
         "headers": {

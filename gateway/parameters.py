@@ -79,7 +79,11 @@ PARAMETERS: tuple[Parameter, ...] = (
         "`auto` with a strict function: text or calls, a call constrained once it starts",
         "a function that is not in `tools`",
     ),
-    _p("parallel_tool_calls", {CHAT}, "`true`; `false` (a forced call is always a single one)"),
+    _p(
+        "parallel_tool_calls",
+        {CHAT},
+        "`true`; `false`: one call at most (a strict `auto` grammar allows one; else the first is kept)",
+    ),
     _p(
         "response_format",
         {CHAT},

@@ -21,6 +21,7 @@ from aiohttp import web
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.json_body import load_json
 from gateway.schemas import ChatRequest, CompletionRequest, parse_completion
+from gateway.slow_clients import request_body
 from gateway.state import PIPELINE, UPSTREAMS, WORKER_POOL
 
 INLINE_BODY_BYTES = 64 << 10
@@ -86,7 +87,7 @@ def parse_body(body: bytes, parse: Callable[..., T], bounds: PromptBounds) -> tu
 async def read_request(request: web.Request, owner: str, parse: Callable[..., T]) -> ParsedBody:
     """The body of ``request`` (read already by ``slow_clients.read_body_middleware``), parsed: inline
     when small, else on the CPU pool within ``owner``'s share (a tenant id)."""
-    body = await request.read()
+    body = await request_body(request)
     bounds = prompt_bounds(request)
     if len(body) <= INLINE_BODY_BYTES:
         raw, parsed = parse_body(body, parse, bounds)

@@ -43,16 +43,22 @@ def usage_key(request_id: str, generated: bool) -> str:
     return request_id if generated else f"{request_id}#{secrets.token_hex(6)}"
 
 
+def assign_request_id(request: web.BaseRequest) -> bool:
+    """Give ``request`` its id: the client's when it is well-formed, else a new one. False when the
+    client sent a malformed one (the middleware answers it with a 400)."""
+    given = request.headers.get(HEADER)
+    valid = given is not None and _VALID.fullmatch(given) is not None
+    request[REQUEST_ID] = given if given is not None and valid else new_request_id()
+    request[REQUEST_ID_GENERATED] = not valid
+    return given is None or valid
+
+
 @web.middleware
 async def request_id_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Outermost middleware: assigns the id, answers a malformed one with a 400, logs every tenant call."""
-    given = request.headers.get(HEADER)
-    valid = given is not None and _VALID.fullmatch(given) is not None
-    request[REQUEST_ID] = given if given is not None and valid else new_request_id()
-    request[REQUEST_ID_GENERATED] = not valid
-    if given is not None and not valid:
+    if not assign_request_id(request):
         return error_response(
             InvalidRequest(
                 f"'{HEADER}' must be 1 to {MAX_LENGTH} characters of letters, digits and . _ : -",

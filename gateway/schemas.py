@@ -54,6 +54,7 @@ class ChatRequest:
     prompt_cache_key: str | None
     unknown_fields: tuple[str, ...] = ()
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # false: at most one call (OpenAI's meaning)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -411,6 +412,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
         messages=tuple(_message(raw, index) for index, raw in enumerate(messages)),
         tools=tuple(tools) if tools else None,
         tool_choice=tool_choice,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         unknown_fields=_unknown(body, CHAT),
         **common,
     )

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from aiohttp import web
 
+from gateway.content_encoding import check_transfer_coding, content_coding, decode_body
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
 from gateway.state import CONFIG
 
@@ -51,17 +52,48 @@ class RequestTimeout(APIError):
     code = "request_timeout"
 
 
+BODY = web.RequestKey("body", bytes)  # the body as read and decoded (``request_body``)
+
+
+def admit_body(
+    request: web.BaseRequest, max_body_bytes: int, authorize: Callable[[web.Request], str | None]
+) -> str | None:
+    """What a request's headers must pass before its body is read (and before ``Expect: 100-continue``
+    invites it, ``gateway.expect``): a ``Content-Length`` within the limit (413), its route's credentials
+    (``authorize``: 401, 403) and a ``Content-Encoding`` the gateway decodes (415). Returns who is
+    asking, or None when no body will be read (no route, or a route that authorizes nothing). A
+    ``Transfer-Encoding`` other than ``chunked`` is a 501 first: the body's framing is not understood."""
+    check_transfer_coding(request)
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
+    if request.match_info.http_exception is not None:  # 404, 405: answered without reading
+        return None
+    principal = authorize(request)  # type: ignore[arg-type]
+    if principal is not None:
+        content_coding(request)
+    return principal
+
+
+async def request_body(request: web.Request) -> bytes:
+    """The request's body, decoded from its ``Content-Encoding`` (``read_body_middleware`` read it)."""
+    body = request.get(BODY)
+    return await request.read() if body is None else body
+
+
 def read_body_middleware(  # type: ignore[no-untyped-def]
     read_timeout_s: float,
     max_body_bytes: int,
     max_reading_bytes: int,
     authorize: Callable[[web.Request], str | None],
 ):
-    """Read each body up front, within the limits above. ``authorize(request)`` raises (401, 403) when
-    the request's headers do not authorize its route, and returns who is asking (a tenant, the admin), or
-    None for a route that authorizes nothing: such a route takes no body, and none is read for it. A body
-    of unknown length counts as the limit. One principal holds at most half of ``max_reading_bytes``
-    (503 past it), except that its first body is always let in under the overall bound."""
+    """Read each body up front, within the limits above, once ``admit_body`` let it in, and decode it
+    (``gateway.content_encoding``; handlers take it from ``request_body``). ``authorize(request)``
+    raises (401, 403) when the request's headers do not authorize its route, and returns who is asking
+    (a tenant, the admin), or None for a route that authorizes nothing: such a route takes no body, and
+    none is read for it. A body of unknown length counts as the limit. One principal holds at most half
+    of ``max_reading_bytes`` (503 past it), except that its first body is always let in under the
+    overall bound."""
     reading_bytes = 0  # bodies being read now (by Content-Length): this app's, not a module global
     reading_by: dict[str, int] = {}  # the same, per principal
     share = max_reading_bytes // 2
@@ -73,14 +105,10 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
             request.config_dict[STARTED].add(request.transport)
         if not request.body_exists:
             return await handler(request)
+        principal = admit_body(request, max_body_bytes, authorize)
+        if principal is None:  # no route, or one that takes no body (/healthz, /metrics): never read
+            return await handler(request)
         length = request.content_length
-        if length is not None and length > max_body_bytes:
-            raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
-        if request.match_info.http_exception is not None:  # 404, 405: answered without reading
-            return await handler(request)
-        principal = authorize(request)
-        if principal is None:  # a route that takes no body (/healthz, /metrics): its body is never read
-            return await handler(request)
         held = max_body_bytes if length is None else length
         mine = reading_by.get(principal, 0)
         if reading_bytes + held > max_reading_bytes or (mine and mine + held > share):
@@ -91,7 +119,7 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
         reading_by[principal] = mine + held
         try:
             async with asyncio.timeout(read_timeout_s):
-                await request.read()  # cached: handlers' read() returns it
+                body = await request.read()
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
         finally:
@@ -101,6 +129,8 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
                 reading_by[principal] = left
             else:
                 del reading_by[principal]
+        coding = content_coding(request)
+        request[BODY] = body if coding is None else decode_body(body, coding, max_body_bytes)
         return await handler(request)
 
     return middleware

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+# What may lead Llama 3 JSON calls: the blanks _LLAMA3_TEXT skips, no other (str.strip's \r, \xa0 ...):
+# an answer the auto grammar took as free text must never parse as calls it did not constrain (r18).
+_LEAD = " \t\n"
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 # Compact JSON, as the worker's response_format grammars (llguidance reads options from "x-guidance").
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,12 +56,13 @@ def template_tool_style(chat_template: str | None) -> str:
 class ToolCallParser:
     style: str
     names: frozenset[str]  # functions offered in ``tools``
+    single: bool = False  # ``parallel_tool_calls: false``: the first call only (OpenAI answers one)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """``(content, tool_calls)`` of a finished answer; no calls: ``(text, [])``. Never raises: the
         text is model output already generated (and billed), so whatever it holds it is answered."""
         try:
-            calls = self._calls(text)
+            calls = self._calls(text)[: 1 if self.single else None]
             if not calls:
                 return text, []
             before = text[: text.find("<tool_call>")] if self.style == HERMES else ""
@@ -75,7 +79,7 @@ class ToolCallParser:
             raw = [match.group(1) for match in _HERMES_CALL.finditer(text)]
             keys = ("arguments", "parameters")
         else:
-            body = text.strip().removeprefix(_PYTHON_TAG).strip()
+            body = text.lstrip(_LEAD).removeprefix(_PYTHON_TAG).lstrip(_LEAD).rstrip()
             if not body.startswith("{"):
                 return []
             raw = [part for part in _split_top_level(body) if part.strip()]
@@ -109,7 +113,7 @@ class ToolCallParser:
             return None
         if after_text:
             return None
-        stripped = text.lstrip()
+        stripped = text.lstrip(_LEAD)
         if not stripped:
             return 0 if text else None
         return 0 if stripped.startswith("{") or _PYTHON_TAG.startswith(stripped[:14]) else None
@@ -120,9 +124,9 @@ def _split_top_level(body: str) -> list[str]:
     parts, depth, start, in_string, escaped = [], 0, 0, False, False
     for index, char in enumerate(body):
         if in_string:
-            escaped = not escaped and char == "\\"
             if char == '"' and not escaped:
                 in_string = False
+            escaped = not escaped and char == "\\"  # of this character: it escapes the next one
             continue
         if char == '"':
             in_string = True
@@ -197,14 +201,17 @@ def forced_call_grammar(
 # Hermes text that holds no call marker; the marker (after such text) that opens the first call.
 _HERMES_TEXT = r"/(.|\n)+/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 _HERMES_OPEN = r"/(.|\n)*<tool_call>\n/ & ~/(.|\n)*<tool_call>(.|\n)*<tool_call>\n/"
-# Llama 3 JSON: an answer is calls when it starts with "{" (or the python tag), else text.
+# Llama 3 JSON: an answer is calls when it starts with "{" (or the python tag) after _LEAD, else text.
 _LLAMA3_TEXT = r"/(.|\n)+/ & ~/[ \t\n]*(\{|<\|python_tag\|>)(.|\n)*/"
 
 
-def auto_call_grammar(style: str, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def auto_call_grammar(
+    style: str, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True
+) -> dict[str, Any] | None:
     """The worker grammar for ``tool_choice: "auto"`` when a tool is ``strict`` (else None): free text
     (without a call's start), or text then calls (Hermes; Llama 3 JSON: calls alone), each call to an
-    offered function; a strict function's arguments fit its schema, another's are any object."""
+    offered function; a strict function's arguments fit its schema, another's are any object. Not
+    ``parallel`` (``parallel_tool_calls: false``): one call at most."""
     functions = [_function(tool, index) for index, tool in enumerate(tools)]
     if not any(function.get("strict") is True for function in functions):
         return None
@@ -222,15 +229,14 @@ def auto_call_grammar(style: str, tools: Sequence[Mapping[str, Any]]) -> dict[st
         return {
             "type": "lark",
             "grammar": (
-                'start: TEXT? | OPEN call CLOSE (NEXT call CLOSE)*\nCLOSE: "\\n</tool_call>"\n'
+                f"start: TEXT? | OPEN call CLOSE{' (NEXT call CLOSE)*' if parallel else ''}\n"
+                'CLOSE: "\\n</tool_call>"\n'
                 'NEXT: "\\n<tool_call>\\n"\n'
                 f"TEXT: {_HERMES_TEXT}\nOPEN: {_HERMES_OPEN}\ncall: {call}\n"
             ),
         }
-    return {
-        "type": "lark",
-        "grammar": f'start: TEXT? | call ("; " call)*\nTEXT: {_LLAMA3_TEXT}\ncall: {call}\n',
-    }
+    more = ' ("; " call)*' if parallel else ""
+    return {"type": "lark", "grammar": f"start: TEXT? | call{more}\nTEXT: {_LLAMA3_TEXT}\ncall: {call}\n"}
 
 
 def _call_schema(name: str, key: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -293,11 +299,13 @@ def request_tools(request: ChatRequest, tool_style: str) -> tuple[ChatRequest, T
     check_grammar(request.sampling.grammar)
     if not request.tools or request.tool_choice == "none":
         return request, None
-    parser = ToolCallParser(style=tool_style, names=tool_names(request.tools))
+    parser = ToolCallParser(
+        style=tool_style, names=tool_names(request.tools), single=not request.parallel_tool_calls
+    )
     grammar = forced_call_grammar(tool_style, request.tools, request.tool_choice)
     if grammar is None:
         if request.sampling.grammar is None:
-            grammar = auto_call_grammar(tool_style, request.tools)
+            grammar = auto_call_grammar(tool_style, request.tools, parallel=request.parallel_tool_calls)
         if grammar is not None:
             return replace(request, sampling=replace(request.sampling, grammar=grammar)), parser
         return request, parser

@@ -2,7 +2,8 @@
 
 The check (``openai_api.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
 does; the worker usually generates fewer. Once the request ends, its window is corrected to what the
-worker did: the prompt (when a worker took the request) plus the completion tokens generated (the
+worker did: the prompt (when a worker took the request: not when every worker shed it unstarted or
+refused it as invalid, ``refused_unstarted``) plus the completion tokens generated (the
 worker's usage) or, for an answer that did not complete, those delivered. A refund goes back to the
 window the check counted in, while it is current (``gateway.ratelimit``); a charge (a request that used
 more than it was counted, which the worker's max_tokens should prevent) lands in the current one. As the
@@ -17,15 +18,28 @@ import asyncio
 from aiohttp import web
 
 from gateway.billing import TenantCall
+from gateway.errors import APIError
 from gateway.ratelimit import tokens_key
 from gateway.state import RATE_LIMITER
+from gateway.upstream import WorkerNotStarted
 
 _SETTLING: set[asyncio.Task] = set()  # corrections under way: a reference until each ends
 
 
+def refused_unstarted(call: TenantCall, error: APIError) -> bool:
+    """Whether ``error`` ends a routed request that no worker started: every worker shed it (queue full,
+    unreachable: ``WorkerNotStarted``) or refused it as invalid (a 4xx), and none reported a token."""
+    started = call.usage is not None or call.prompt_usage is not None
+    return (
+        call.prepared is not None
+        and not started
+        and (isinstance(error, WorkerNotStarted) or error.status < 500)
+    )
+
+
 def num_worker_tokens_used(call: TenantCall) -> int:
     """Prompt + completion tokens the request took from the workers (0: no worker took it)."""
-    if call.prepared is None:  # refused or failed before routing: nothing ran
+    if call.prepared is None or call.worker_refused:  # refused before routing, or by every worker
         return 0
     usage = call.usage or call.prompt_usage or {}
     prompt = int(usage.get("prompt_tokens", call.num_prompt_tokens))

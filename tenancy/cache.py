@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from policies.promotion import PrefixHash
 from tenancy.keys import hash_api_key
@@ -21,9 +22,18 @@ log = logging.getLogger(__name__)
 
 
 class PolicyCache:
-    def __init__(self, repository: TenantRepository, *, refresh_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        repository: TenantRepository,
+        *,
+        refresh_s: float = 0.5,
+        on_reload: Callable[[Mapping[str, TenantPolicy]], object] | None = None,
+    ) -> None:
+        """``on_reload(tenants)`` is called with every snapshot's tenants once it is in force (the
+        gateway drops the metric series of tenants that are gone)."""
         self._repository = repository
         self._refresh_s = refresh_s
+        self._on_reload = on_reload
         self._snapshot: PolicySnapshot | None = None
         self._reloading = asyncio.Lock()  # overlapping reloads must not install an older snapshot
         self.last_refresh_monotonic: float | None = None
@@ -71,6 +81,8 @@ class PolicyCache:
             current = self._snapshot
             if current is None or snapshot.marker >= current.marker:  # markers only grow
                 self._snapshot = snapshot
+                if self._on_reload is not None:
+                    self._on_reload(snapshot.tenants)
             self.last_refresh_monotonic = time.monotonic()
 
     async def refresh_if_changed(self) -> bool:

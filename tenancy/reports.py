@@ -436,10 +436,13 @@ def csv_safe(value: Any) -> Any:
     return value
 
 
-def rows_to_csv(rows: list[dict[str, Any]], fields: tuple[str, ...]) -> str:
+def rows_to_csv(rows: list[dict[str, Any]], fields: tuple[str, ...], *, header: bool = True) -> str:
+    """CSV of ``rows`` (``csv_safe`` cells), with the header line unless ``header`` is False (a page
+    after the first)."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     for row in rows:
         writer.writerow({name: csv_safe(row.get(name)) for name in fields})
     return buffer.getvalue()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -109,6 +109,25 @@ class TenantRepository:
             raise NotFound(f"tenant {tenant_id!r} not found")
         return tenant
 
+    @staticmethod
+    async def _lock_tenant(session: AsyncSession, tenant_id: str) -> Tenant:
+        """Open the change by locking the tenant's row (raises NotFound when it is gone).
+
+        Every change of a tenant takes its locks in one order: the tenant row first, then its keys, then
+        the policy version (``record_change``). Concurrent changes of one tenant so run one after the
+        other, each reading what the previous one committed (one live key after concurrent rotations, one
+        audit row for a revocation racing itself), never deadlock, and a change that comes after a delete
+        finds no row: a 404, not a stale UPDATE or a foreign-key error. PostgreSQL: ``SELECT … FOR
+        UPDATE``. SQLite has no row locks, and its driver starts a transaction only at the first write,
+        so the session's reads would see no lock at all: ``BEGIN IMMEDIATE`` takes the database's write
+        lock before the first read (others wait for it up to the busy timeout)."""
+        if session.bind is not None and session.bind.dialect.name == "sqlite":
+            await session.execute(text("BEGIN IMMEDIATE"))
+        tenant = await session.scalar(select(Tenant).where(Tenant.id == tenant_id).with_for_update())
+        if tenant is None:
+            raise NotFound(f"tenant {tenant_id!r} not found")
+        return tenant
+
     async def create_tenant(self, body: Mapping[str, Any]) -> tuple[TenantPolicy, NewKey]:
         """Create a tenant with its first API key. Raises PolicyError or Conflict (name taken)."""
         values = validate_policy_fields(body, require_name=True)
@@ -149,7 +168,7 @@ class TenantRepository:
     async def update_tenant(self, tenant_id: str, body: Mapping[str, Any]) -> TenantPolicy:
         values = validate_policy_fields(body, require_name=False)
         async with self._sessionmaker() as session:
-            row = await self._get_row(session, tenant_id)
+            row = await self._lock_tenant(session, tenant_id)
             for name, value in values.items():
                 setattr(row, name, value)
             row.updated_at = _now()
@@ -160,7 +179,7 @@ class TenantRepository:
 
     async def delete_tenant(self, tenant_id: str) -> None:
         async with self._sessionmaker() as session:
-            row = await self._get_row(session, tenant_id)
+            row = await self._lock_tenant(session, tenant_id)
             await session.delete(row)
             await self._audit(session, "tenant.delete", tenant_id, {"name": row.name})
             await session.commit()
@@ -168,7 +187,7 @@ class TenantRepository:
     async def invalidate(self, tenant_id: str) -> int:
         """Bump the tenant's epoch: its next request derives a fresh namespace key and reuses nothing."""
         async with self._sessionmaker() as session:
-            await self._get_row(session, tenant_id)
+            await self._lock_tenant(session, tenant_id)
             await session.execute(
                 update(Tenant).where(Tenant.id == tenant_id).values(epoch=Tenant.epoch + 1, updated_at=_now())
             )
@@ -194,7 +213,7 @@ class TenantRepository:
     async def create_key(self, tenant_id: str, *, revoke_others: bool) -> NewKey:
         """Add a key; with ``revoke_others`` (rotation) every other live key of the tenant is revoked."""
         async with self._sessionmaker() as session:
-            await self._get_row(session, tenant_id)
+            await self._lock_tenant(session, tenant_id)
             revoked: list[str] = []
             if revoke_others:
                 live = await session.scalars(
@@ -213,6 +232,7 @@ class TenantRepository:
 
     async def revoke_key(self, tenant_id: str, key_id: str) -> KeyInfo:
         async with self._sessionmaker() as session:
+            await self._lock_tenant(session, tenant_id)  # a second revocation waits, then sees the first
             key = await session.get(ApiKey, key_id)
             if key is None or key.tenant_id != tenant_id:
                 raise NotFound(f"key {key_id!r} of tenant {tenant_id!r} not found")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.schemas import parse_chat
-from gateway.tool_calls import HERMES, LLAMA3_JSON, request_tools
+from gateway.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser, request_tools
 from tests.gateway.test_gateway_compat_tools import NOOP, WEATHER, messages
 from tests.gateway.test_gateway_e2e import MODEL
 from worker.structured import GrammarCompiler
@@ -110,3 +110,51 @@ async def test_auto_with_strict_tools_answers_text_through_the_sdk(sdk, stream):
         assert answer.usage.completion_tokens == 300
         text = answer.choices[0].message.content
     assert text and "<tool_call>" not in text
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
+PARSER_NAMES = frozenset({"get_weather", "noop"})
+
+
+@pytest.mark.parametrize("lead", ["\r", "\x0c", "\x0b", "\x1e", "\xa0", "\u2003"])
+def test_text_the_llama3_grammar_leaves_free_never_parses_as_an_unchecked_call(lead):
+    """r18: the grammar's text may start with any blank but " \\t\\n" then "{"; the parser stripped every
+    Unicode blank, so an invalid strict call behind a "\\r" was free text to one and a call to the other."""
+    invalid = lead + '{"name": "get_weather", "parameters": {"town": "Oslo", "days": 999}}'
+    accepted = feed(grammar_of([STRICT_WEATHER, NOOP], style=LLAMA3_JSON), invalid)
+    _, calls = ToolCallParser(style=LLAMA3_JSON, names=PARSER_NAMES).parse(invalid)
+    assert accepted == "end" and calls == []
+
+
+@pytest.mark.parametrize(
+    ("style", "two_calls"),
+    [
+        (HERMES, hermes_call("get_weather", '{"city": "Oslo", "days": 2}') * 2),
+        (LLAMA3_JSON, LLAMA_CALL + "; " + LLAMA_CALL),
+    ],
+)
+def test_parallel_tool_calls_false_allows_one_call(style, two_calls):
+    """r18: ``parallel_tool_calls: false`` means one call at most: the auto grammar refuses a second and
+    the parser of an unconstrained answer keeps the first."""
+    two_calls = two_calls.replace("</tool_call><tool_call>", "</tool_call>\n<tool_call>")
+    assert feed(grammar_of([STRICT_WEATHER, NOOP], style=style), two_calls) == "end"
+    assert (
+        feed(grammar_of([STRICT_WEATHER, NOOP], style=style, parallel_tool_calls=False), two_calls) != "end"
+    )
+    _, loose = request_tools(
+        parse_chat(
+            {"model": MODEL, "messages": messages(), "tools": [WEATHER, NOOP], "parallel_tool_calls": False}
+        ),
+        style,
+    )
+    assert [call["function"]["name"] for call in loose.parse(two_calls)[1]] == ["get_weather"]
+
+
+def test_an_escaped_quote_does_not_join_two_llama3_calls():
+    """r18: the splitter read ``\\"`` as the end of a string, so two calls came back as text."""
+    answer = '{"name": "get_weather", "parameters": {"city": "a\\"b", "days": 2}}; ' + (
+        '{"name": "noop", "parameters": {}}'
+    )
+    assert feed(grammar_of([STRICT_WEATHER, NOOP], style=LLAMA3_JSON), answer) == "end"
+    _, calls = ToolCallParser(style=LLAMA3_JSON, names=PARSER_NAMES).parse(answer)
+    assert [call["function"]["name"] for call in calls] == ["get_weather", "noop"]
