@@ -170,26 +170,22 @@ async def update_tenant(request: web.Request) -> web.Response:
 
 async def delete_tenant(request: web.Request) -> web.Response:
     """Purge first, then delete: a tenant is gone only once its KV is gone from every tier of every
-    worker (502 and still there when a worker did not answer; retry). A ``shared`` tenant's KV is the
-    common pool's: 409 unless ``?shared_cache=keep`` says the admin knows it stays."""
+    worker (502 and still there when a worker did not answer; retry). A ``shared`` tenant's share of the
+    common pool is not attributable to it: 409 unless ``?shared_cache=keep`` says the admin knows it
+    stays; its own namespaces (what it cached before it was moved to ``shared``) are purged all the same."""
     tenant_id = request.match_info["tenant_id"]
     repository = request.config_dict[REPOSITORY]
     policy, _ = await repository.get_tenant(tenant_id)  # 404 for an unknown tenant
-    purge: dict[str, Any] | None = None
-    if policy.isolation == "shared":
-        if request.query.get("shared_cache") != "keep":
-            raise admin_cache.shared_cache_conflict(tenant_id, "; or delete with ?shared_cache=keep.")
-    else:
-        epoch = await repository.invalidate(tenant_id)  # nothing cached from now on is reusable
-        await _changed(request)
-        await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)
-        result, failure = await admin_cache.purge_namespace_of(request, tenant_id, epoch)
-        if failure is not None:
-            return failure
-        purge = result.to_json()
+    if policy.isolation == "shared" and request.query.get("shared_cache") != "keep":
+        raise admin_cache.shared_cache_conflict(tenant_id, "; or delete with ?shared_cache=keep.")
+    _, result, failure = await admin_cache.erase_tenant_cache(request, tenant_id)
+    if failure is not None:
+        return failure
     await repository.delete_tenant(tenant_id)
     await _changed(request)
-    return web.json_response({"id": tenant_id, "object": "tenant", "deleted": True, "purge": purge})
+    return web.json_response(
+        {"id": tenant_id, "object": "tenant", "deleted": True, "purge": result.to_json()}
+    )
 
 
 async def invalidate_tenant(request: web.Request) -> web.Response:

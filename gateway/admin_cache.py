@@ -8,7 +8,7 @@ from aiohttp import web
 
 from gateway.errors import ConflictError, UpstreamError
 from gateway.expect import expect_continue
-from gateway.purge import PurgeResult, purge_namespace
+from gateway.purge import PurgeResult, purge_namespaces
 from gateway.state import (
     CONFIG,
     HOT_PREFIXES,
@@ -17,10 +17,12 @@ from gateway.state import (
     POLICY_CACHE,
     PROMOTION,
     REPOSITORY,
+    SESSIONMAKER,
     WORKER_POOL,
 )
 from policies.isolation import tenant_namespace_id
 from tenancy.hot_prefixes import HotPrefixInfo
+from tenancy.namespace_secret import NamespaceSecretRepository
 
 
 def _hot_prefix_json(info: HotPrefixInfo) -> dict[str, Any]:
@@ -71,15 +73,29 @@ def shared_cache_conflict(tenant_id: str, extra: str = "") -> ConflictError:
     return ConflictError(SHARED_CACHE_MESSAGE.format(tenant_id=tenant_id, extra=extra), code="shared_cache")
 
 
-async def purge_namespace_of(
-    request: web.Request, tenant_id: str, epoch: int
-) -> tuple[PurgeResult, web.Response | None]:
-    """Erase a (non-shared) tenant's namespace in every tier of every worker; audit and count it.
-    Returns the result and, when a worker did not answer, the 502 response to send."""
+async def tenant_namespace_ids(request: web.Request, tenant_id: str) -> list[str]:
+    """Every namespace id the tenant had: under the secret in use here, then under each secret still on
+    record in ``namespace_secrets`` (a rotation changes the id; blocks cached under the old one stay)."""
+    on_record = await NamespaceSecretRepository(request.config_dict[SESSIONMAKER]).all_epochs()
+    salts = [request.config_dict[CONFIG].salt_bytes, *(row.secret.encode() for row in on_record)]
+    return list(dict.fromkeys(tenant_namespace_id(salt, tenant_id) for salt in salts))
+
+
+async def erase_tenant_cache(
+    request: web.Request, tenant_id: str
+) -> tuple[int, PurgeResult, web.Response | None]:
+    """Bump the tenant's epoch, drop its near-miss state, and erase every namespace id it ever had (whatever
+    its isolation level now: a tenant moved to ``shared`` keeps what it cached before in its own
+    namespace) in every tier of every worker, which also ends any worker reservation on those ids. The
+    common pool is never touched. Returns the epoch, the result and, when a worker did not answer, the
+    502 response to send (retry: purging twice is harmless)."""
     config, repository = request.config_dict[CONFIG], request.config_dict[REPOSITORY]
-    namespace_id = tenant_namespace_id(config.salt_bytes, tenant_id)
-    result = await purge_namespace(
-        request.config_dict[WORKER_POOL], namespace_id, timeout_s=config.purge_timeout_s
+    epoch = await repository.invalidate(tenant_id)  # nothing cached from now on is reusable
+    await request.config_dict[POLICY_CACHE].reload()
+    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
+    namespace_ids = await tenant_namespace_ids(request, tenant_id)
+    result = await purge_namespaces(
+        request.config_dict[WORKER_POOL], namespace_ids, timeout_s=config.purge_timeout_s
     )
     failed = [worker.url for worker in result.workers if worker.error is not None]
     await repository.record_purge(
@@ -90,14 +106,14 @@ async def purge_namespace_of(
     for tier, count in result.blocks_erased.items():
         metrics.purged_blocks.labels(tier).inc(count)
     if result.complete:
-        return result, None
+        return epoch, result, None
     error = UpstreamError(
         f"purge incomplete: {len(failed)} of {len(result.workers)} worker(s) did not answer "
         f"({', '.join(failed)}); their copies can no longer be reused (epoch {epoch}); retry the purge",
         code="purge_incomplete",
     )
     body = {"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json(), **error.to_json()}
-    return result, web.json_response(body, status=error.status)
+    return epoch, result, web.json_response(body, status=error.status)
 
 
 async def purge_tenant(request: web.Request) -> web.Response:
@@ -105,21 +121,19 @@ async def purge_tenant(request: web.Request) -> web.Response:
 
     The epoch bump makes any copy the purge could not reach (a worker down, a write in flight)
     unreachable by key for good. 200 when every worker answered; 502 with the same body, plus an
-    OpenAI-style ``error``, when any did not (retry: purging twice is harmless). 409 for a ``shared``
-    tenant, whose KV is not its own to erase.
+    OpenAI-style ``error``, when any did not (retry: purging twice is harmless). For a ``shared`` tenant
+    this erases what it cached in its own namespace before it was moved to ``shared``; what it put in
+    the common pool is not its own to erase (``shared_pool_erased`` false says so).
     """
     tenant_id = request.match_info["tenant_id"]
-    repository = request.config_dict[REPOSITORY]
-    policy, _ = await repository.get_tenant(tenant_id)  # 404 for an unknown tenant
-    if policy.isolation == "shared":
-        raise shared_cache_conflict(tenant_id, "; then purge erases what it caches from then on.")
-    epoch = await repository.invalidate(tenant_id)
-    await request.config_dict[POLICY_CACHE].reload()
-    await request.config_dict[NEAR_MISS].forget_tenant(tenant_id, epoch=epoch)  # prompts, vectors, findings
-    result, failure = await purge_namespace_of(request, tenant_id, epoch)
+    policy, _ = await request.config_dict[REPOSITORY].get_tenant(tenant_id)  # 404 for an unknown tenant
+    epoch, result, failure = await erase_tenant_cache(request, tenant_id)
     if failure is not None:
         return failure
-    return web.json_response({"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json()})
+    body = {"id": tenant_id, "object": "tenant.purge", "epoch": epoch, **result.to_json()}
+    if policy.isolation == "shared":
+        body["shared_pool_erased"] = False
+    return web.json_response(body)
 
 
 def add_routes(admin: web.Application) -> None:

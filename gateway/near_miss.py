@@ -49,6 +49,7 @@ from gateway.near_miss_forget import PolicySource, TenantForgetting
 from gateway.near_miss_memory import NamespaceVectors, Remembered, best_nominee, diverging_span
 from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
+from policies.isolation import GLOBAL_NAMESPACE_ID
 from policies.near_miss import layout_of
 from tenancy.policy import TenantPolicy
 
@@ -106,6 +107,7 @@ class NearMissRouting(TenantForgetting):
         # one per tenant, where a set of every purged key grew with each purge for ever.
         self._keys_of: dict[str, set[tuple[str, bytes]]] = {}
         self._epoch_of: dict[str, int] = {}
+        self._pool_keys: set[bytes] = set()  # keys of the common pool (one per namespace secret)
         self._background: set[asyncio.Task] = set()
         self._policies = policies
         self._sweep_s = sweep_s
@@ -282,6 +284,8 @@ class NearMissRouting(TenantForgetting):
         own_key = bytes(segments[-1].key)
         if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
+        if segments[-1].namespace_id == GLOBAL_NAMESPACE_ID:
+            self._pool_keys.add(own_key)
         self._keys_of.setdefault(tenant.tenant_id, set()).add((model.model_id, own_key))
         if self._sweeper is None and self._policies is not None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())

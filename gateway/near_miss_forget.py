@@ -9,7 +9,6 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from policies.isolation import GLOBAL_NAMESPACE_KEY
 from tenancy.policy import TenantPolicy
 
 if TYPE_CHECKING:
@@ -33,6 +32,7 @@ class TenantForgetting:
     _vectors: dict[tuple[str, bytes], NamespaceVectors]
     _keys_of: dict[str, set[tuple[str, bytes]]]
     _epoch_of: dict[str, int]
+    _pool_keys: set[bytes]  # keys of the common pool (one per namespace secret)
     _findings: LocalFindings | RedisFindings
     _policies: PolicySource | None
     _sweep_s: float
@@ -74,7 +74,7 @@ class TenantForgetting:
 
     def _forget_local(self, tenant_id: str) -> None:
         for pair in self._keys_of.pop(tenant_id, ()):
-            if pair[1] == GLOBAL_NAMESPACE_KEY:  # the shared pool's key stays: drop this tenant's prompts
+            if pair[1] in self._pool_keys:  # the shared pool's key stays: drop this tenant's prompts
                 self._forget_shared(pair, tenant_id)
                 continue
             self._recent.pop(pair, None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Container, Sequence
@@ -200,9 +201,23 @@ class HotPrefixPromotion:
                 )
             self._paused_until = time.monotonic() + self._pause_s
             return
+        live = self._opted_in_tags() if promotions else frozenset()
         for promotion, tags in zip(promotions, contributors, strict=True):
+            # The counters keep a tenant's tag for the window; only tenants opted in *now* make up k
+            # (review r17 D6: one that opted out or was deleted must not complete a promotion).
+            tags = tags & live
+            if len(tags) < self.policy.min_tenants:
+                continue
             self._contributors[promotion.prefix_hash] = tags
-            self._promote(promotion, model, token_ids)
+            self._promote(dataclasses.replace(promotion, num_tenants=len(tags)), model, token_ids)
+
+    def _opted_in_tags(self) -> frozenset[TenantTag]:
+        """Tags of the tenants in the policy snapshot that have hot-prefix access at this moment."""
+        return frozenset(
+            self._tag(policy)
+            for policy in self._cache.tenants().values()
+            if hot_prefix_access(policy.isolation, policy.share_hot_prefixes)
+        )
 
     def _promote(self, promotion: PromotedPrefix, model: ModelRuntime, token_ids: list[int]) -> None:
         self._pending[promotion.prefix_hash] = promotion

@@ -1,7 +1,9 @@
-"""Purge fan-out: erase one namespace from every tier of every configured worker.
+"""Purge fan-out: erase a tenant's namespaces from every tier of every configured worker.
 
-Every worker in ``worker_urls`` is asked (healthy or not: a worker the health check missed may still
-hold blocks), concurrently, with ``POST /v1/purge``. The result lists each worker's answer and the
+A tenant may have several namespace ids: one per namespace secret still on record (a rotation changes
+the id; blocks cached under the old one stay on the workers until purged). Every worker in
+``worker_urls`` is asked (healthy or not: a worker the health check missed may still hold blocks),
+concurrently, with ``POST /v1/purge`` for each id. The result lists each worker's answer and the
 blocks erased per tier in total; ``complete`` is false when any worker could not be reached or failed,
 and the admin API then answers 502 with the same body (a data-deletion request must never look done
 when it is not; retrying is safe).
@@ -10,7 +12,7 @@ when it is not; retrying is safe).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ class WorkerPurge:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PurgeResult:
-    namespace_id: str
+    namespace_ids: tuple[str, ...]  # the id in force first, then those of older namespace secrets
     workers: tuple[WorkerPurge, ...]
 
     @property
@@ -46,7 +48,8 @@ class PurgeResult:
     def to_json(self) -> dict[str, Any]:
         erased = self.blocks_erased
         return {
-            "namespace_id": self.namespace_id,
+            "namespace_id": self.namespace_ids[0],
+            "namespace_ids": list(self.namespace_ids),
             "complete": self.complete,
             "blocks_erased": erased,
             "total_blocks_erased": sum(erased.values()),
@@ -62,14 +65,22 @@ class PurgeResult:
         }
 
 
-async def purge_namespace(pool: WorkerPool, namespace_id: str, *, timeout_s: float) -> PurgeResult:
+async def purge_namespaces(
+    pool: WorkerPool, namespace_ids: Sequence[str], *, timeout_s: float
+) -> PurgeResult:
+    """Erase every id of ``namespace_ids`` on every worker (ids one after another on each worker)."""
+
     async def one(url: str) -> WorkerPurge:
-        try:
-            erased = await pool.client(url).purge(namespace_id, timeout_s=timeout_s)
-        except Exception as exc:  # unreachable, timed out, or an error answer: reported, not raised
-            message = getattr(exc, "message", None) or str(exc) or exc.__class__.__name__
-            return WorkerPurge(url=url, blocks_erased=None, error=f"{exc.__class__.__name__}: {message}")
-        return WorkerPurge(url=url, blocks_erased=erased)
+        totals: dict[str, int] = {}
+        for namespace_id in namespace_ids:
+            try:
+                erased = await pool.client(url).purge(namespace_id, timeout_s=timeout_s)
+            except Exception as exc:  # unreachable, timed out, or an error answer: reported, not raised
+                message = getattr(exc, "message", None) or str(exc) or exc.__class__.__name__
+                return WorkerPurge(url=url, blocks_erased=None, error=f"{exc.__class__.__name__}: {message}")
+            for tier, count in erased.items():
+                totals[tier] = totals.get(tier, 0) + count
+        return WorkerPurge(url=url, blocks_erased=totals)
 
     results = await asyncio.gather(*(one(url) for url in pool.workers))
-    return PurgeResult(namespace_id=namespace_id, workers=tuple(results))
+    return PurgeResult(namespace_ids=tuple(namespace_ids), workers=tuple(results))

@@ -2,8 +2,10 @@
 
 A tenant's namespace key is derived from a deployment secret (the salt), the tenant id and the tenant
 epoch; nothing a client sends enters it. Bumping the epoch gives a fresh key, so nothing cached before
-can be reused. The namespace *id* is a stable, non-secret tag of the owner used to purge and to apply
-quotas; it does not change with the epoch.
+can be reused. The common and promoted pools' keys are derived from the salt too, so a rotation of the
+secret invalidates every cached block. The namespace *id* is a stable, non-secret tag of the owner used
+to purge and to apply quotas; it does not change with the epoch, but does with the secret (a purge
+reaches the ids under every secret still on record).
 """
 
 from __future__ import annotations
@@ -16,16 +18,28 @@ import blake3
 from policies.hashing import NamespaceKey, NamespaceSegment
 
 GLOBAL_NAMESPACE_ID = "global"
-GLOBAL_NAMESPACE_KEY = NamespaceKey(blake3.blake3(b"prefixgate/global-namespace").digest())
 # Promoted hot prefixes have a pool of their own: `shared` tenants that did not opt in never reach them
 # (had they lived in the global pool, every shared tenant would have read them).
 PROMOTED_NAMESPACE_ID = "promoted"
-PROMOTED_NAMESPACE_KEY = NamespaceKey(blake3.blake3(b"prefixgate/promoted-hot-prefixes").digest())
+# A promoted prefix's identity (its ``prefix_hash`` in the counters and in SQL) is hashed under this
+# constant key, so promotions outlive a rotation of the namespace secret; its KV is hashed under
+# ``promoted_namespace_key(salt)``, which a rotation changes like every other key.
+PROMOTION_IDENTITY_KEY = NamespaceKey(blake3.blake3(b"prefixgate/promoted-hot-prefixes").digest())
 
 
 def _salt_key(salt: bytes) -> bytes:
     """blake3's keyed mode takes exactly 32 bytes; any secret length is accepted."""
     return blake3.blake3(salt, derive_key_context="prefixgate 2026 namespace salt").digest()
+
+
+def global_namespace_key(salt: bytes) -> NamespaceKey:
+    """Key of the common pool of ``shared`` tenants; derived from the secret so a rotation invalidates it."""
+    return NamespaceKey(blake3.blake3(b"global-namespace", key=_salt_key(salt)).digest())
+
+
+def promoted_namespace_key(salt: bytes) -> NamespaceKey:
+    """Key of the promoted hot prefixes' KV; derived from the secret so a rotation invalidates it."""
+    return NamespaceKey(blake3.blake3(b"promoted-hot-prefixes", key=_salt_key(salt)).digest())
 
 
 def tenant_namespace_key(salt: bytes, tenant_id: str, epoch: int) -> NamespaceKey:
@@ -87,7 +101,9 @@ def namespace_segments(
     isolation = ISOLATION_LEVELS[level]
     start = promoted_prefix_tokens if isolation.may_share_hot_prefixes else 0
     if isolation.uses_global_namespace:
-        own = NamespaceSegment(start_token=start, namespace_id=GLOBAL_NAMESPACE_ID, key=GLOBAL_NAMESPACE_KEY)
+        own = NamespaceSegment(
+            start_token=start, namespace_id=GLOBAL_NAMESPACE_ID, key=global_namespace_key(salt)
+        )
     else:
         own = NamespaceSegment(
             start_token=start,
@@ -97,7 +113,7 @@ def namespace_segments(
         )
     if start > 0:
         promoted = NamespaceSegment(
-            start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY
+            start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=promoted_namespace_key(salt)
         )
         return [promoted, own]
     return [own]

@@ -2,8 +2,9 @@
 
 A *boundary prefix* is the prompt up to a message boundary (end of the system prompt, of the tools,
 of each document message before the last user turn), floored to whole KV blocks and identified by
-its *global-form hash*: the chained block hash (``policies.hashing``) it would have in the promoted
-namespace (``isolation.PROMOTED_NAMESPACE_KEY``). Hits are counted per hash in a sliding one-hour
+its *global-form hash*: the chained block hash (``policies.hashing``) of its tokens under the constant
+``isolation.PROMOTION_IDENTITY_KEY`` (not the promoted pool's KV key, which changes with the namespace
+secret: promotions outlive a rotation). Hits are counted per hash in a sliding one-hour
 window, together with the distinct tenants that sent it. A prefix is promoted when it has at least
 ``min_hits_per_hour`` hits **and** at least ``min_tenants`` distinct tenants (never fewer than 3),
 each tenant's hits counting only up to ``min_hits_per_hour / min_tenants``. Promoted, it is hashed in
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import NewType, Protocol
 
 from policies.hashing import NamespaceSegment, block_hashes
-from policies.isolation import ISOLATION_LEVELS, PROMOTED_NAMESPACE_ID, PROMOTED_NAMESPACE_KEY
+from policies.isolation import ISOLATION_LEVELS, PROMOTED_NAMESPACE_ID, PROMOTION_IDENTITY_KEY
 
 PrefixHash = NewType("PrefixHash", str)  # hex of the global-form hash of a prefix's last block
 TenantTag = NewType("TenantTag", str)  # opaque, stable tag of a tenant (its namespace id)
@@ -91,7 +92,7 @@ def boundary_prefixes(
     )
     if not lengths:
         return []
-    segment = NamespaceSegment(start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTED_NAMESPACE_KEY)
+    segment = NamespaceSegment(start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTION_IDENTITY_KEY)
     hashes = block_hashes(
         token_ids, block_size, model_fingerprint, [segment], max_blocks=lengths[-1] // block_size
     )

@@ -36,6 +36,13 @@ class NamespaceSecretRepository:
             )
         return None if row is None else SecretInForce(epoch=row.epoch, secret=row.secret)
 
+    async def all_epochs(self) -> list[SecretInForce]:
+        """Every secret on record, newest first: a tenant had one namespace id under each, and a purge
+        must reach them all (blocks cached under an older secret stay on the workers until purged)."""
+        async with self._sessionmaker() as session:
+            rows = await session.scalars(select(NamespaceSecret).order_by(NamespaceSecret.epoch.desc()))
+            return [SecretInForce(epoch=row.epoch, secret=row.secret) for row in rows]
+
     async def _insert(self, epoch: int, secret: str, *, actor: str = "gateway") -> bool:
         try:
             async with self._sessionmaker.begin() as session:

@@ -30,7 +30,8 @@ async def test_admin_disabled_without_token(aiohttp_client, config):
     assert response.status == 403
 
 
-async def test_tenant_lifecycle(client):
+async def test_tenant_lifecycle(gateway):
+    client = gateway  # with a worker: every delete purges the tenant's own namespaces first
     created = await create_tenant(
         client, isolation="dedicated", reserved_blocks=32, price_output_per_mtok=3.5
     )
@@ -54,14 +55,16 @@ async def test_tenant_lifecycle(client):
     bad = await client.patch(f"/admin/v1/tenants/{tenant_id}", json={"isolation": "open"}, headers=ADMIN)
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "isolation"
 
-    # A shared tenant's KV is the common pool's: no epoch of its own to bump, nothing of its own to purge.
+    # A shared tenant's KV is the common pool's: no epoch of its own to bump; only what it cached in its
+    # own namespace before the move is its own to purge (the delete does it).
     invalidated = await client.post(f"/admin/v1/tenants/{tenant_id}/invalidate", headers=ADMIN)
     assert invalidated.status == 409 and (await invalidated.json())["error"]["code"] == "shared_cache"
     refused = await client.delete(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)
     assert refused.status == 409
 
     deleted = await client.delete(f"/admin/v1/tenants/{tenant_id}?shared_cache=keep", headers=ADMIN)
-    assert (await deleted.json())["deleted"] is True
+    body = await deleted.json()
+    assert body["deleted"] is True and body["purge"]["namespace_id"] == created["namespace_id"]
     assert (await client.get("/v1/models", headers=tenant_headers(api_key))).status == 401
     missing = await client.get(f"/admin/v1/tenants/{tenant_id}", headers=ADMIN)
     assert missing.status == 404 and (await missing.json())["error"]["type"] == "not_found_error"
@@ -69,6 +72,8 @@ async def test_tenant_lifecycle(client):
     audit = await (await client.get("/admin/v1/audit", headers=ADMIN)).json()
     assert [row["action"] for row in audit["data"]] == [
         "tenant.delete",
+        "tenant.purge",
+        "tenant.invalidate",
         "tenant.update",
         "tenant.create",
     ]

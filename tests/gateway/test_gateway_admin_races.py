@@ -16,12 +16,12 @@ from tests.gateway.conftest import ADMIN, make_config
 
 
 @pytest.fixture
-async def db_client(aiohttp_client, db_url, tmp_path):
-    return await aiohttp_client(create_app(make_config(db_url, tmp_path)))
+async def db_client(aiohttp_client, db_url, tmp_path, worker_url):
+    return await aiohttp_client(create_app(make_config(db_url, tmp_path, worker_urls=(worker_url,))))
 
 
 async def _shared_tenant(client, name: str) -> str:
-    """A ``shared`` tenant: deleting it with ?shared_cache=keep needs no worker."""
+    """A ``shared`` tenant: deleting it with ?shared_cache=keep purges only its own (empty) namespaces."""
     response = await client.post(
         "/admin/v1/tenants", json={"name": name, "isolation": "shared"}, headers=ADMIN
     )

@@ -10,7 +10,7 @@ from tests.gateway.conftest import ADMIN, make_config
 
 
 async def _call(client, key: str) -> None:
-    """One tenant call: a 503 without a worker, counted under the tenant's label all the same."""
+    """One tenant call (model "m" is served nowhere: an error), counted under the tenant's label."""
     headers = {"Authorization": f"Bearer {key}"}
     await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers=headers)
 
@@ -26,9 +26,11 @@ async def _until(predicate, *args, timeout_s: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
-async def test_a_deleted_tenants_series_leave_every_replica(aiohttp_client, sqlite_url, tmp_path):
+async def test_a_deleted_tenants_series_leave_every_replica(aiohttp_client, sqlite_url, tmp_path, worker_url):
+    config = {"worker_urls": (worker_url,)}  # the delete purges the tenant's own namespaces on the worker
     replicas = [
-        await aiohttp_client(create_app(make_config(sqlite_url, tmp_path / name))) for name in ("a", "b")
+        await aiohttp_client(create_app(make_config(sqlite_url, tmp_path / name, **config)))
+        for name in ("a", "b")
     ]
     a, b = replicas
     tenants = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import redis
 from openai import AsyncOpenAI
 
 from gateway.app import create_app
@@ -98,3 +99,44 @@ async def test_a_purged_tenant_has_no_near_miss_route_or_finding_on_any_replica(
         assert after == before
     for sdk in sdks.values():
         await sdk.close()
+
+
+@pytest.mark.timeout(120)
+async def test_deleting_a_shared_tenant_erases_its_findings_in_redis(
+    aiohttp_client,
+    sqlite_url,
+    tmp_path,
+    worker_url,
+    redis_url,  # noqa: F811
+    embedding_cache,  # noqa: F811
+):
+    """Review r17 D5: the delete of a `shared` tenant (?shared_cache=keep) left its findings, excerpts of
+    its prompts, in Redis for their 7-day TTL."""
+    config = make_config(
+        sqlite_url,
+        tmp_path,
+        worker_urls=(worker_url,),
+        router="rendezvous",
+        kv_index=False,
+        redis_url=redis_url,
+        near_miss_cache_dir=str(embedding_cache),
+    )
+    gateway = await aiohttp_client(create_app(config))
+    pooled = await create_tenant(gateway, name="pooled", isolation="shared", near_miss_routing=True)
+    sdk = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=pooled["api_key"], max_retries=0)
+    rng = random.Random(11)
+    head = [rng.randrange(1, 200) for _ in range(3 * BLOCK)]
+    for _ in range(3):  # the same head, a different tail: a diverging span at token 48
+        await complete(sdk, head + [rng.randrange(1, 200) for _ in range(3 * BLOCK)])
+    await sdk.close()
+    store = redis.Redis.from_url(redis_url)
+    pattern = f"prefixgate:near-miss:{{{pooled['id']}}}:*"
+    await wait_until(lambda: bool(store.keys(pattern)))
+    assert await findings_of(gateway, pooled)
+
+    response = await gateway.delete(f"/admin/v1/tenants/{pooled['id']}?shared_cache=keep", headers=ADMIN)
+    assert response.status == 200, await response.text()
+    # What may stay is the forget's own mark (the epoch it reached, so a late write stays out): no excerpt.
+    left = [key for key in store.keys(pattern) if not key.endswith(b":forgotten-epoch")]
+    store.close()
+    assert left == [], "the deleted tenant's prompt excerpts stay in Redis"

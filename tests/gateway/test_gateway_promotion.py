@@ -151,3 +151,27 @@ async def test_boundary_prefixes_are_found_off_the_event_loop(gateway, monkeypat
     key = await tenant(gateway, "off-loop", share_hot_prefixes=True)
     await ask(gateway, key, system_with("a prompt with boundaries"), "question")
     assert threads and threading.get_ident() not in threads
+
+
+@pytest.mark.parametrize("withdrawal", ["opt_out", "delete"])
+async def test_a_withdrawn_tenant_no_longer_counts_towards_a_promotion(gateway, withdrawal):
+    """Review r17 D6: a tenant that opted out or was deleted still counted as one of the k tenants for the
+    rest of the hour, so two others promoted a prefix only they and it had sent: they learnt that a
+    tenant no longer opted in had sent it."""
+    system = system_with(f"the confidential plan ({withdrawal})")
+    victim = await create_tenant(gateway, name="victim", share_hot_prefixes=True)
+    b, c, d = [await tenant(gateway, name, share_hot_prefixes=True) for name in "bcd"]
+    await ask(gateway, victim["api_key"], system, "question v")  # counted while opted in
+    path = f"/admin/v1/tenants/{victim['id']}"
+    if withdrawal == "opt_out":
+        answer = await gateway.patch(path, json={"share_hot_prefixes": False}, headers=ADMIN)
+    else:
+        answer = await gateway.delete(path, headers=ADMIN)
+    assert answer.status == 200, await answer.text()
+    await ask(gateway, b, system, "question b")
+    await ask(gateway, c, system, "question c")  # two tenants still opted in: below k = 3
+    await asyncio.sleep(0.5)  # promotions are written in the background
+    assert await hot_prefixes(gateway) == []
+    await ask(gateway, d, system, "question d")  # the third opted-in tenant
+    (row,) = await wait_for_hot_prefixes(gateway, 1)
+    assert row["num_tenants"] == 3

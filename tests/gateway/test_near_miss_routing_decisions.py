@@ -15,7 +15,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.near_miss import NearMissRouting
 from gateway.routing import RouteRequest, WorkerLoad
 from policies.hashing import NamespaceKey, NamespaceSegment
-from policies.isolation import GLOBAL_NAMESPACE_KEY
+from policies.isolation import global_namespace_key
 from tenancy.policy import TenantPolicy
 from tests.gateway.test_gateway_model import runtime  # noqa: F401 - fixture
 
@@ -174,7 +174,7 @@ async def test_a_tenant_purged_while_its_request_awaits_an_embedding_is_not_reme
 
 
 SHARED_SEGMENTS = (
-    NamespaceSegment(start_token=0, namespace_id="global", key=NamespaceKey(GLOBAL_NAMESPACE_KEY)),
+    NamespaceSegment(start_token=0, namespace_id="global", key=global_namespace_key(b"test-salt")),
 )
 ALICE = TenantPolicy(tenant_id="tn_alice", name="alice", isolation="shared", near_miss_routing=True)
 BOB = TenantPolicy(tenant_id="tn_bob", name="bob", isolation="shared", near_miss_routing=True)

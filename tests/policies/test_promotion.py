@@ -2,8 +2,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.hashing import block_hashes
-from policies.isolation import ISOLATION_LEVELS, namespace_segments
+from policies.hashing import NamespaceSegment, block_hashes
+from policies.isolation import (
+    ISOLATION_LEVELS,
+    PROMOTED_NAMESPACE_ID,
+    PROMOTION_IDENTITY_KEY,
+    namespace_segments,
+)
 from policies.promotion import (
     BoundaryPrefix,
     InMemoryPromotionCounter,
@@ -155,10 +160,8 @@ def test_boundary_prefixes_are_block_aligned_global_form_hashes():
     tokens = list(range(100))
     prefixes = boundary_prefixes(tokens, [5, 16, 40, 40, 47, None, 500], block_size=16, model_fingerprint=FP)
     assert [p.num_tokens for p in prefixes] == [16, 32]  # 500 is past the prompt: not a boundary
-    promoted = namespace_segments(
-        level="shared", salt=b"s", tenant_id="x", epoch=0, promoted_prefix_tokens=96
-    )
-    global_hashes = block_hashes(tokens, 16, FP, promoted[:1])
+    identity = NamespaceSegment(start_token=0, namespace_id=PROMOTED_NAMESPACE_ID, key=PROMOTION_IDENTITY_KEY)
+    global_hashes = block_hashes(tokens, 16, FP, [identity])
     assert [p.prefix_hash for p in prefixes] == [global_hashes[i].hex() for i in (0, 1)]
     assert boundary_prefixes(tokens, [100], block_size=16, model_fingerprint=FP)[0].num_tokens == 96
     assert boundary_prefixes(tokens, [3, None], block_size=16, model_fingerprint=FP) == []
@@ -169,14 +172,18 @@ def test_tenants_sharing_a_system_prompt_share_its_hash_and_the_worker_reuses_it
     a = boundary_prefixes([*system, 1, 2, 3] * 1, [64], block_size=16, model_fingerprint=FP)
     b = boundary_prefixes([*system, 9, 9], [64], block_size=16, model_fingerprint=FP)
     assert a == b == [BoundaryPrefix(prefix_hash=a[0].prefix_hash, num_tokens=64)]
-    # once promoted, each opted-in tenant's request hashes [0, 64) in the global namespace, so the
-    # worker's hash of block 3 is the promoted hash, whichever tenant sends it
-    for tenant in ("alice", "bob"):
+
+    # once promoted, each opted-in tenant's request hashes [0, 64) in the promoted namespace, so the
+    # worker's hash of block 3 is the same whichever tenant sends it; a new namespace secret changes it
+    # (a rotation invalidates the promoted pool too) but not the promotion's identity, ``prefix_hash``
+    def worker_hash(salt: bytes, tenant: str) -> bytes:
         segments = namespace_segments(
-            level="namespace", salt=b"salt", tenant_id=tenant, epoch=1, promoted_prefix_tokens=64
+            level="namespace", salt=salt, tenant_id=tenant, epoch=1, promoted_prefix_tokens=64
         )
-        worker = block_hashes([*system, *range(32)], 16, FP, segments)
-        assert worker[3].hex() == a[0].prefix_hash
+        return block_hashes([*system, *range(32)], 16, FP, segments)[3]
+
+    assert worker_hash(b"salt", "alice") == worker_hash(b"salt", "bob") != worker_hash(b"rotated", "bob")
+    assert worker_hash(b"salt", "alice").hex() != a[0].prefix_hash
 
 
 def test_longest_promoted_prefix():

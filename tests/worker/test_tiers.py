@@ -283,3 +283,20 @@ def test_redis_evicts_a_chain_tail_first_within_one_write(kv_redis_url):
     tier.put(chain)
     assert tier.counters["blocks_evicted_total"] == 3
     assert _held(tier, "t-a", range(8)) == [0, 1, 2, 3, 4]  # the head survives; the tail went first
+
+
+def test_redis_purge_erases_the_namespace_of_every_model(kv_redis_url):
+    """Review r17: the purge scanned only this model's keys, so a purged tenant's blocks cached before a
+    model upgrade (another fingerprint, same Redis) stayed until their TTL."""
+    old = _remote_tier(kv_redis_url, b"purge-old-model!" * 2, budget_bytes=1 << 30)
+    new = _remote_tier(kv_redis_url, b"purge-new-model!" * 2, budget_bytes=1 << 30)
+    old.put([_demoted("t-gone", i) for i in range(3)] + [_demoted("t-gone:x", 9), _demoted("t-kept", 7)])
+    new.put([_demoted("t-gone", 4)])
+    kept_bytes = int(old.client.hget(old._sizes, old.key("t-kept", _demoted("t-kept", 7).record.block_hash)))
+
+    assert new.purge("t-gone") == 4
+    assert _held(old, "t-gone", range(3)) == [] and _held(new, "t-gone", range(5)) == []
+    assert _held(old, "t-gone:x", range(9, 10)) == [9] and _held(old, "t-kept", range(7, 8)) == [7]
+    entry = int(old.client.hget(old._sizes, old.key("t-gone:x", _demoted("t-gone:x", 9).record.block_hash)))
+    assert int(old.client.get(old._total)) == kept_bytes + entry  # the old model's books follow
+    assert old.client.zcard(old._lru) == 2 and int(new.client.get(new._total)) == 0

@@ -444,26 +444,37 @@ class RemoteTier:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def purge(self, namespace_id: str) -> int:
-        """Delete every block of ``namespace_id`` of this model; returns how many.
+        """Delete every block of ``namespace_id``, of this model and of any other model sharing this Redis
+        (blocks a tenant cached before a model upgrade would otherwise stay until their TTL); returns how
+        many.
 
         Raises:
             RemoteUnavailable: Redis failed part-way; some blocks may remain (a retry is safe).
         """
         erased = 0
-        books = [self._lru, self._sizes, self._total, *self._partition(namespace_id)]
-        head = f"{self.prefix}:{namespace_id}:"
         cursor = 0
         try:
-            while True:  # one SCAN call per page, one erase call per chunk of the keys it found
+            while True:  # one SCAN call per page, one erase call per model and chunk of the keys it found
                 cursor, found = self.client.scan(
-                    cursor, match=_glob_escape(head) + "*", count=PURGE_SCAN_COUNT
+                    cursor, match=f"pg:kv:*:{_glob_escape(namespace_id)}:*", count=PURGE_SCAN_COUNT
                 )
-                keys = [key for key in found if _is_block_key(key, head)]  # not "<ns>:x:<hash>" of "<ns>:x"
-                for start in range(0, len(keys), PURGE_CHUNK_KEYS):
-                    with self._announce_lock:
-                        gone = self._erase(keys=[*books, *keys[start : start + PURGE_CHUNK_KEYS]], args=[2])
-                        self._announce_removed(gone)
-                    erased += len(gone)
+                by_model: dict[str, list] = {}
+                for key in found:  # not "<ns>:x:<hash>" of namespace "<ns>:x", nor the books
+                    prefix = _model_prefix(key, namespace_id)
+                    if prefix is not None:
+                        by_model.setdefault(prefix, []).append(key)
+                for prefix, keys in by_model.items():
+                    part = f"{prefix}:~quota:{namespace_id}"  # the block may be booked in either LRU
+                    books = [f"{prefix}:lru", f"{prefix}:sizes", f"{prefix}:bytes"]
+                    books += [f"{part}:lru", f"{part}:sizes", f"{part}:bytes"]
+                    for start in range(0, len(keys), PURGE_CHUNK_KEYS):
+                        with self._announce_lock:
+                            gone = self._erase(
+                                keys=[*books, *keys[start : start + PURGE_CHUNK_KEYS]], args=[2]
+                            )
+                            if prefix == self.prefix:  # another model's blocks are not in our events
+                                self._announce_removed(gone)
+                        erased += len(gone)
                 if not cursor:
                     break
         except ERRORS as exc:
@@ -484,6 +495,18 @@ def _is_block_key(key: bytes | str, head: str) -> bool:
     """Whether ``key`` is ``head`` followed by a block hash (not a key of another namespace or the books)."""
     text = key.decode() if isinstance(key, bytes) else key
     return text.startswith(head) and _HEX.fullmatch(text[len(head) :]) is not None
+
+
+_MODEL_PREFIX = re.compile(r"pg:kv:[0-9a-f]{1,16}(?=:)")  # "pg:kv:<fingerprint>" of any model
+
+
+def _model_prefix(key: bytes | str, namespace_id: str) -> str | None:
+    """The model prefix of ``key`` when it is a block key of ``namespace_id`` (of any model), else None."""
+    text = key.decode() if isinstance(key, bytes) else key
+    found = _MODEL_PREFIX.match(text)
+    if found is None or not _is_block_key(text, f"{found.group()}:{namespace_id}:"):
+        return None
+    return found.group()
 
 
 def _hash_of(key: bytes | str) -> BlockHash:
