@@ -193,10 +193,11 @@ async def _longest_loop_stall_s(work) -> tuple[float, object]:
 
     ticking = asyncio.create_task(ticker())
     try:
-        return longest_s, await work
+        result = await work
     finally:
         done.set()
         await ticking
+    return longest_s, result
 
 
 async def test_many_tiny_gzip_members_are_a_400_without_holding_the_loop(served):  # noqa: F811
