@@ -1,8 +1,9 @@
 """``Expect`` and ``Content-Encoding`` against the gateway as served (``gateway.up._serve``), review r15
 #3 and #4.
 
-No upload is invited (``100 Continue``) before its headers pass the checks a body gets (size, key,
-coding); every refusal is OpenAI's error JSON with the request id; a body's coding is decoded within the
+No upload is invited (``100 Continue``) before its headers pass the checks a body gets (request id,
+size, key, coding, reading budget), nor on any path or method that reads no body (404, 405, /healthz);
+every refusal is OpenAI's error JSON with the request id; a body's coding is decoded within the
 body limit, and a coding the gateway does not decode is a 415 naming the header, never an ERROR log or a
 body read as if it were plain.
 """
@@ -18,7 +19,12 @@ import pytest
 
 from gateway.content_encoding import MAX_GZIP_MEMBERS, decode_body
 from gateway.errors import InvalidRequest
-from tests.security.test_slow_clients import exchange, served, tenant_key  # noqa: F401 - fixture
+from tests.security.test_slow_clients import (  # noqa: F401 - fixtures
+    exchange,
+    served,
+    served_small,
+    tenant_key,
+)
 
 BODY = json.dumps(
     {"model": "random-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -168,7 +174,7 @@ async def test_every_route_answers_an_unknown_expectation_with_an_openai_417(ser
     routes = {(route.method, route.resource.canonical) for route in app.router.routes()}
     assert len(routes) > 20 and any(path.startswith("/admin/v1/") for _, path in routes)
     for method, path in sorted(routes):
-        if method == "HEAD":
+        if method in ("HEAD", "*"):  # "*": route_everything's 404 and 405 (tested below)
             continue
         path = path.replace("{", "").replace("}", "")  # {tenant_id} -> tenant_id: any id will do
         request = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\n\r\n"
@@ -221,3 +227,49 @@ def test_gzip_members_up_to_the_cap_decode():
     assert decode_body(b"".join(members + padding), "gzip", 1 << 20) == message
     with pytest.raises(InvalidRequest, match="members"):
         decode_body(b"".join([*members, *padding, EMPTY_MEMBER]), "gzip", 1 << 20)
+
+
+async def test_no_100_continue_for_an_upload_the_reading_budget_refuses(served_small):  # noqa: F811
+    """Review r19 #2: the 100 went out once size, key and coding passed; the reading budget (503) then
+    refused the 1 MiB the client had been invited to send."""
+    hog, victim = await tenant_key(served_small, "hog"), await tenant_key(served_small, "victim")
+    _, hog_writer = await asyncio.open_connection(served_small.host, served_small.port)
+    try:  # a slow 1 MiB upload holds 1 MiB of the 1.5 MiB budget: another 1 MiB would pass it
+        hog_writer.write(head("/v1/chat/completions", hog, b"", 1 << 20) + b"{")
+        await hog_writer.drain()
+        await asyncio.sleep(0.5)
+        extra = b"Expect: 100-continue\r\n"
+        answer = await exchange(served_small, head("/v1/chat/completions", victim, extra, 1 << 20))
+    finally:
+        hog_writer.close()
+    assert openai_error(answer, 503)["code"] == "server_busy"  # at once: no 100 before it
+
+
+async def test_no_100_continue_for_a_malformed_request_id(served):  # noqa: F811
+    extra = b"Expect: 100-continue\r\nX-Request-Id: not a valid id!\r\n"
+    answer = await exchange(served, head("/v1/chat/completions", await tenant_key(served), extra, 1 << 20))
+    assert openai_error(answer, 400)["code"] == "invalid_request_id"
+
+
+UNROUTED = [b"POST /v1/no-such-route", b"PUT /v1/chat/completions", b"POST /admin/v1/nope", b"PUT /admin/v1"]
+IDS = ["404", "405", "admin_404", "admin_root"]
+
+
+@pytest.mark.parametrize("line", UNROUTED, ids=IDS)
+async def test_an_unknown_expectation_off_the_routes_is_an_openai_417(served, line):  # noqa: F811
+    """Review r19 #3: no route, or a wrong method, got aiohttp's default: a plain-text 417."""
+    answer = await exchange(
+        served, line + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\n\r\n"
+    )
+    assert openai_error(answer, 417)["param"] == "Expect"
+
+
+@pytest.mark.parametrize(
+    "line", [*UNROUTED, b"POST /healthz", b"GET /healthz"], ids=[*IDS, "healthz_post", "healthz_get"]
+)
+async def test_no_100_continue_for_a_body_that_is_never_read(served, line):  # noqa: F811
+    """Review r19 #3: no route, or a wrong method, got aiohttp's default: a 100 Continue, then the 404."""
+    request = line + b" HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000000\r\n\r\n"
+    answer = await exchange(served, request)  # the connection is closed: the body is never sent
+    assert answer.startswith(b"HTTP/1.1 ") and not answer.startswith(b"HTTP/1.1 100 "), answer[:300]
+    assert b"\r\nConnection: close\r\n" in answer, answer[:300]
