@@ -38,7 +38,7 @@ from aiohttp import web
 from gateway.content_encoding import check_transfer_coding, content_coding, decode_body
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
 from gateway.expect import is_unrouted, send_continue
-from gateway.state import CONFIG
+from gateway.state import CONFIG, PIPELINE
 
 if TYPE_CHECKING:
     from gateway.billing import TenantCall
@@ -132,7 +132,11 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
             else:
                 del reading_by[principal]
         coding = content_coding(request)
-        request[BODY] = body if coding is None else decode_body(body, coding, max_body_bytes)
+        if coding is not None:  # off the loop, in the asker's CPU-pool share (inflating 4 MiB: ~40 ms)
+            owner = principal.removeprefix("tenant:")  # a tenant's share is keyed by its id
+            run_cpu = request.config_dict[PIPELINE].run_cpu
+            body = await run_cpu(decode_body, body, coding, max_body_bytes, owner=owner)
+        request[BODY] = body
         return await handler(request)
 
     return middleware

@@ -12,11 +12,13 @@ import asyncio
 import gzip
 import json
 import logging
+import threading
 import time
 import zlib
 
 import pytest
 
+from gateway import slow_clients
 from gateway.content_encoding import MAX_GZIP_MEMBERS, decode_body
 from gateway.errors import InvalidRequest
 from tests.security.test_slow_clients import (  # noqa: F401 - fixtures
@@ -273,3 +275,20 @@ async def test_no_100_continue_for_a_body_that_is_never_read(served, line):  # n
     answer = await exchange(served, request)  # the connection is closed: the body is never sent
     assert answer.startswith(b"HTTP/1.1 ") and not answer.startswith(b"HTTP/1.1 100 "), answer[:300]
     assert b"\r\nConnection: close\r\n" in answer, answer[:300]
+
+
+async def test_an_encoded_body_is_decoded_off_the_event_loop(served, monkeypatch):  # noqa: F811
+    """Inflating up to max_body_bytes takes tens of milliseconds: on the CPU pool, in the tenant's share,
+    as a large JSON body is parsed (the decoder is spied on, not replaced)."""
+    threads: list[str] = []
+
+    def spied(*args):
+        threads.append(threading.current_thread().name)
+        return decode_body(*args)
+
+    monkeypatch.setattr(slow_clients, "decode_body", spied)
+    answer = await exchange(
+        served, chat(await tenant_key(served), b"Content-Encoding: gzip\r\n", gzip.compress(BODY))
+    )
+    assert openai_error(answer, 503)  # decoded and parsed: only no worker is ready
+    assert threads and all(name.startswith("gateway-cpu") for name in threads), threads
