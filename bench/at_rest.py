@@ -68,6 +68,7 @@ def disk_round(root: Path, blocks: list[DemotedBlock], cipher: AtRestCipher | No
         tier.read(file_id, 0, len(info.records))
     read_s = time.perf_counter() - started
     tier.purge(blocks[0].namespace_id)
+    tier.close()  # the next round opens the same directory
     return num_bytes / write_s / 1e9, num_bytes / read_s / 1e9
 
 

@@ -8,7 +8,8 @@ byte-level shape check (hostile-input review, finding 2).
    (``orjson.loads`` with the collector on, then a per-node depth walk in Python), same run, same bodies.
 2. The real gateway app (SQLite, no worker needed) in this process: tenant B polls ``GET /v1/models``
    while tenant A posts a 3.9 MB body of 1.3 M empty lists; B's slowest answer and the loop's largest
-   lag, with main's parser patched in, then with the current one.
+   lag, with main's parser patched in (``gateway.request_body.load_json``, which parses tenant bodies,
+   large ones on the CPU pool), then with the current one.
 
 The last line printed is JSON.
 """
@@ -27,10 +28,10 @@ from typing import Any
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
-import gateway.openai_api
+import gateway.request_body
 from gateway.app import create_app
 from gateway.errors import InvalidRequest
-from gateway.json_body import read_json
+from gateway.json_body import load_json, read_json
 from migrations import upgrade_database_async
 from tests.gateway.conftest import create_tenant, make_config
 
@@ -56,8 +57,8 @@ BODIES = {
 }
 
 
-async def legacy_read_json(body: bytes) -> dict[str, Any]:
-    """main's read_json (before this change): loads with the collector on, then a Python walk."""
+def legacy_load_json(body: bytes) -> dict[str, Any]:
+    """main's parser (before this change): loads with the collector on, then a Python walk."""
     data = orjson.loads(body)
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
@@ -68,6 +69,10 @@ async def legacy_read_json(body: bytes) -> dict[str, Any]:
                     raise InvalidRequest("nested", code="invalid_json")
                 stack.append((child, depth + 1))
     return data
+
+
+async def legacy_read_json(body: bytes) -> dict[str, Any]:
+    return legacy_load_json(body)
 
 
 async def _time(parse, body: bytes) -> tuple[float, str]:
@@ -97,13 +102,13 @@ async def parse_table() -> dict[str, Any]:
     return out
 
 
-async def stall(parse) -> dict[str, float]:
+async def stall(load) -> dict[str, float]:
     """B's slowest /v1/models answer and the loop's largest lag while A's hostile body is handled."""
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite+aiosqlite:///{Path(tmp) / 'db.sqlite'}"
         await upgrade_database_async(url)
-        original = gateway.openai_api.read_json
-        gateway.openai_api.read_json = parse
+        original = gateway.request_body.load_json  # what the tenant handlers parse with
+        gateway.request_body.load_json = load
         client = TestClient(TestServer(create_app(make_config(url, Path(tmp)))))
         await client.start_server()
         try:
@@ -147,15 +152,15 @@ async def stall(parse) -> dict[str, float]:
                 "a_status": status,
             }
         finally:
-            gateway.openai_api.read_json = original
+            gateway.request_body.load_json = original
             await client.close()
 
 
 async def main() -> None:
     print(f"load average {os.getloadavg()}")
     table = await parse_table()
-    before = await stall(legacy_read_json)
-    after = await stall(read_json)
+    before = await stall(legacy_load_json)
+    after = await stall(load_json)
     print(f"while A posts 1.3 M empty lists (3.9 MB): main {before}")
     print(f"                                          now  {after}")
     print(

@@ -20,10 +20,10 @@ from gateway.errors import (
 )
 from gateway.expect import expect_continue, route_everything
 from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
-from gateway.openai_api import bearer_token
 from gateway.schemas import read_json
 from gateway.slow_clients import request_body
 from gateway.state import CONFIG, NEAR_MISS, POLICY_CACHE, REPOSITORY, WORKER_POOL
+from gateway.tenant_calls import bearer_token
 from policies.isolation import tenant_namespace_id
 from tenancy.keys import tokens_equal
 from tenancy.policy import PolicyError, TenantPolicy

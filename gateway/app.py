@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from gateway import openai_api, request_id
+from gateway import openai_api, request_id, tenant_calls
 from gateway.admin_api import check_admin_token, create_admin_app
 from gateway.admission import AdmissionGate
 from gateway.canonicalization import CanonicalizationStep
@@ -30,7 +30,6 @@ from gateway.metrics import TENANT_LABEL_MODES, GatewayMetrics
 from gateway.namespace_secret import namespace_secret_ctx
 from gateway.near_miss import NearMissRouting
 from gateway.near_miss_findings import LocalFindings, RedisFindings
-from gateway.openai_api import bearer_token
 from gateway.openapi import openapi_spec
 from gateway.parameters import UnknownFields
 from gateway.pipeline import RequestPipeline
@@ -62,6 +61,7 @@ from gateway.state import (
     USAGE_WRITER,
     WORKER_POOL,
 )
+from gateway.tenant_calls import bearer_token
 from gateway.upstream_openai import UpstreamRegistry
 from gateway.workers import WorkerPool
 from policies.isolation import tenant_namespace_id
@@ -284,7 +284,7 @@ def authorize_from_headers(request: web.Request) -> str | None:
         check_admin_token(request)
         return "admin"
     if request.path.startswith("/v1/"):
-        return "tenant:" + openai_api.authenticate(request).tenant_id
+        return "tenant:" + tenant_calls.authenticate(request).tenant_id
     return None
 
 

@@ -49,6 +49,10 @@ class TenantCall:
     usage: dict[str, Any] | None = None  # the worker's final usage, once delivered to the client
     prompt_usage: dict[str, Any] | None = None  # the prompt's usage from a stream's first token
     delivered_tokens: int = 0  # completion tokens whose text was written to the client
+    # Completion tokens received from the worker or upstream, delivered or not: what a request that did
+    # not complete counts against its tokens per minute (a stalled stream's generation used capacity).
+    generated_tokens: int = 0
+    generated_usage: dict[str, Any] | None = None  # the latest usage an upstream reported, delivered or not
     prepared: PreparedRequest | None = None  # once the prompt is rendered and routed
     worker_refused: bool = False  # every worker refused it unstarted (queue full, unreachable, invalid)
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of this request

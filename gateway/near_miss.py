@@ -34,94 +34,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
-import blake3
 import numpy as np
 
 from gateway.embedding import EMBEDDING_DIM, PromptEmbedder
 from gateway.metrics import GatewayMetrics
 from gateway.model import ModelRuntime
 from gateway.near_miss_findings import DivergingSpan, LocalFindings, RedisFindings
+from gateway.near_miss_forget import PolicySource, TenantForgetting
+from gateway.near_miss_memory import NamespaceVectors, Remembered, best_nominee, diverging_span
 from gateway.routing import KVAwareRouter, RouteRequest, WorkerLoad
 from policies.hashing import NamespaceSegment
-from policies.isolation import GLOBAL_NAMESPACE_KEY
-from policies.near_miss import SegmentLayout, layout_of, reusable
+from policies.near_miss import layout_of
 from tenancy.policy import TenantPolicy
-
-
-class PolicySource(Protocol):
-    """What near miss reads of the tenant policies in force (``tenancy.cache.PolicyCache``)."""
-
-    @property
-    def ready(self) -> bool: ...
-
-    def get(self, tenant_id: str) -> TenantPolicy | None: ...
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Remembered:
-    token_ids: np.ndarray  # int32, the prompt's first ``max_prompt_tokens`` tokens
-    layout: SegmentLayout  # its namespace segments (start token, key)
-    worker_url: str
-    own_key: bytes  # the key it is indexed under (its last segment's)
-    tenant_id: str  # whose prompt it is: every `shared` tenant's key is the global one
-    epoch: int = 0  # its tenant's epoch when it was prepared (older than the newest: purged since)
-    routed_s: float = 0.0  # time.monotonic() when it was routed
-
-
-class NamespaceVectors:
-    """One namespace key's remembered prompts: a FAISS inner-product index over unit vectors."""
-
-    def __init__(self, dim: int, capacity: int) -> None:
-        import faiss  # only when a tenant enables near-miss
-
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-        self._entries: OrderedDict[int, Remembered] = OrderedDict()
-        self._id_of: dict[bytes, int] = {}
-        self._digest_of: dict[int, bytes] = {}
-        self._next_id = 0
-        self._capacity = capacity
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, vector: np.ndarray, entry: Remembered) -> None:
-        digest = blake3.blake3(
-            entry.token_ids.tobytes() + entry.worker_url.encode() + b"\0" + entry.tenant_id.encode()
-        ).digest(16)
-        known = self._id_of.get(digest)
-        if known is not None:  # the same tenant's prompt on the same worker: just keep it fresh
-            self._entries.move_to_end(known)
-            return
-        entry_id, self._next_id = self._next_id, self._next_id + 1
-        self._index.add_with_ids(vector.reshape(1, -1), np.array([entry_id], dtype=np.int64))
-        self._entries[entry_id], self._id_of[digest], self._digest_of[entry_id] = entry, entry_id, digest
-        if len(self._entries) > self._capacity:
-            oldest, _ = self._entries.popitem(last=False)
-            del self._id_of[self._digest_of.pop(oldest)]
-            self._index.remove_ids(np.array([oldest], dtype=np.int64))
-
-    def num_of(self, tenant_id: str) -> int:
-        return sum(1 for entry in self._entries.values() if entry.tenant_id == tenant_id)
-
-    def remove_tenant(self, tenant_id: str) -> None:
-        """Drop one tenant's prompts (a `shared` tenant's, from the global key's index)."""
-        gone = [entry_id for entry_id, entry in self._entries.items() if entry.tenant_id == tenant_id]
-        for entry_id in gone:
-            del self._entries[entry_id]
-            del self._id_of[self._digest_of.pop(entry_id)]
-        if gone:
-            self._index.remove_ids(np.array(gone, dtype=np.int64))
-
-    def search(self, vector: np.ndarray, k: int) -> list[tuple[float, Remembered]]:
-        if not self._entries:
-            return []
-        scores, ids = self._index.search(vector.reshape(1, -1), min(k, len(self._entries)))
-        return [(float(s), self._entries[int(i)]) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,7 +59,7 @@ class NearMissRoute:
     exact_tokens: int | None  # None: the exact route stood; else the exact index's cached tokens there
 
 
-class NearMissRouting:
+class NearMissRouting(TenantForgetting):
     def __init__(
         self,
         *,
@@ -217,7 +146,7 @@ class NearMissRouting:
         # The namespace's latest prompts first, by tokens alone: a burst of similar prompts finds its
         # first one at once, before that one's blocks (or its embedding) exist.
         nominees = self._recent_of(model.model_id, segments)
-        best = self._best(tokens, segments, nominees, by_url, request.block_size)
+        best = best_nominee(tokens, segments, nominees, by_url, request.block_size)
         vector, late = None, False
         if (
             (best is None or best[0] < self.min_blocks)
@@ -231,7 +160,7 @@ class NearMissRouting:
             if vector is not None:
                 found = [entry for _, entry in self._search(model.model_id, segments, vector)]
                 nominees += found
-                better = self._best(tokens, segments, found, by_url, request.block_size)
+                better = best_nominee(tokens, segments, found, by_url, request.block_size)
                 if better is not None and (best is None or better[0] > best[0]):
                     best = better
         self._record_finding(tenant, model, tokens, segments, nominees, request.block_size)
@@ -297,25 +226,6 @@ class NearMissRouting:
     def _count_wait(self, outcome: str) -> None:
         if self._metrics is not None and outcome:
             self._metrics.near_miss_embed_waits.labels(outcome).inc()
-
-    def _best(
-        self,
-        tokens: np.ndarray,
-        segments: Sequence[NamespaceSegment],
-        nominees: Sequence[Remembered],
-        by_url: dict,
-        block_size: int,
-    ) -> tuple[int, Remembered] | None:
-        """The nominee whose cache the request could reuse most (exact tokens, same keys), if any."""
-        layout = layout_of(segments)
-        best: tuple[int, Remembered] | None = None
-        for entry in nominees:
-            if entry.worker_url not in by_url:
-                continue  # its worker is gone
-            blocks = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).reusable_blocks
-            if blocks and (best is None or blocks > best[0]):
-                best = (blocks, entry)
-        return best
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
@@ -439,107 +349,22 @@ class NearMissRouting:
         nominees: Sequence[Remembered],
         block_size: int,
     ) -> None:
-        """Keep where the request parted from its closest prompt of the same tenant and namespace (one per
-        request). Never another tenant's: a finding shows the other prompt's text, and every `shared`
-        tenant's key is the global one."""
-        own_key, layout = bytes(segments[-1].key), layout_of(segments)
+        """Keep where the request parted from its closest prompt of its own tenant (``diverging_span``)."""
         if self._stale(tenant.tenant_id, tenant.epoch):  # its tenant was purged after it was prepared
             return
-        closest: tuple[int, Remembered] | None = None
-        for entry in nominees:
-            if entry.own_key == own_key and entry.tenant_id == tenant.tenant_id:
-                lcp = reusable(tokens, layout, entry.token_ids, entry.layout, block_size).lcp_tokens
-                if closest is None or lcp > closest[0]:
-                    closest = (lcp, entry)
-        if closest is None:
-            return
-        lcp, other = closest
-        if lcp >= min(len(tokens), len(other.token_ids)) or lcp == 0:
-            return  # one is a prefix of the other (no divergence) or nothing is shared
-        span = DivergingSpan(
-            model_id=model.model_id,
-            position_token=lcp,
-            before_text=model.decode(tokens[max(0, lcp - 8) : lcp].tolist()),
-            request_text=model.decode(tokens[lcp : lcp + 12].tolist()),
-            other_text=model.decode(other.token_ids[lcp : lcp + 12].tolist()),
-            tokens_after=int(len(tokens) - lcp),
-            seen_at=time.time(),
-        )
-        self._spawn(self._findings.record(tenant.tenant_id, span))  # Redis, if any, stays off the path
+        span = diverging_span(tenant.tenant_id, model, tokens, segments, nominees, block_size)
+        if span is not None:
+            self._spawn(self._keep_finding(tenant, span))  # Redis, if any, stays off the path
+
+    async def _keep_finding(self, tenant: TenantPolicy, span: DivergingSpan) -> None:
+        """Record a finding in the background, unless its tenant was forgotten since it was found (a
+        forget may run before this task does); Redis refuses it if a forget there is newer."""
+        if not self._stale(tenant.tenant_id, tenant.epoch):
+            await self._findings.record(tenant.tenant_id, span, epoch=tenant.epoch)
 
     async def findings(self, tenant_id: str) -> list[dict[str, Any]]:
         """The tenant's recent diverging spans (every replica's, with Redis), newest first."""
         return await self._findings.recent(tenant_id)
-
-    async def forget_tenant(self, tenant_id: str, *, epoch: int | None = None) -> None:
-        """Drop everything remembered of a tenant: its prompts, vectors and findings, here and in Redis.
-
-        Called by the admin purge, invalidate and delete with the tenant's new ``epoch``: whatever is
-        still on its way from an older one (a request prepared before, a background embedding) is kept
-        out. None: the epoch moved past the newest seen here. Other replicas drop their own copies when
-        they see the tenant's new epoch (``_observe_epoch``)."""
-        known = self._epoch_of.get(tenant_id)
-        if epoch is None and known is not None:
-            epoch = known + 1
-        if epoch is not None:
-            self._epoch_of[tenant_id] = max(epoch, known if known is not None else epoch)
-        self._forget_local(tenant_id)
-        await self._findings.forget(tenant_id)
-
-    def _stale(self, tenant_id: str, epoch: int) -> bool:
-        """Whether something prepared at ``epoch`` is from before the tenant's latest purge, or its
-        tenant was deleted or opted out since (the policies in force: nothing is kept per deletion)."""
-        known = self._epoch_of.get(tenant_id)
-        if known is not None and epoch < known:
-            return True
-        if self._policies is None or not self._policies.ready:
-            return False
-        current = self._policies.get(tenant_id)
-        return current is None or not current.near_miss_routing or epoch < current.epoch
-
-    def _observe_epoch(self, tenant: TenantPolicy) -> None:
-        """A tenant whose epoch grew since its prompts were remembered was purged or invalidated
-        through some replica: its old prompts can never be reused (their keys are gone), so drop them.
-        (A request still carrying an older epoch changes nothing: ``_stale`` keeps it out.)"""
-        known = self._epoch_of.get(tenant.tenant_id)
-        if known is not None and tenant.epoch > known:
-            self._forget_local(tenant.tenant_id)
-        self._epoch_of[tenant.tenant_id] = max(tenant.epoch, known if known is not None else tenant.epoch)
-
-    def _forget_local(self, tenant_id: str) -> None:
-        for pair in self._keys_of.pop(tenant_id, ()):
-            if pair[1] == GLOBAL_NAMESPACE_KEY:  # the shared pool's key stays: drop this tenant's prompts
-                self._forget_shared(pair, tenant_id)
-                continue
-            self._recent.pop(pair, None)
-            self._vectors.pop(pair, None)
-        self._findings.forget_local(tenant_id)
-
-    def _forget_shared(self, pair: tuple[str, bytes], tenant_id: str) -> None:
-        recent = self._recent.get(pair)
-        if recent is not None:
-            kept = [entry for entry in recent if entry.tenant_id != tenant_id]
-            self._recent[pair] = deque(kept, maxlen=recent.maxlen)
-        vectors = self._vectors.get(pair)
-        if vectors is not None:
-            vectors.remove_tenant(tenant_id)
-
-    def sweep(self) -> None:
-        """Forget the remembered tenants whose epoch moved, who opted out or who were deleted."""
-        if self._policies is None or not self._policies.ready:
-            return
-        for tenant_id in list(self._epoch_of):
-            tenant = self._policies.get(tenant_id)
-            if tenant is None or not tenant.near_miss_routing:  # deleted, or opted out
-                self._forget_local(tenant_id)
-                del self._epoch_of[tenant_id]
-            else:
-                self._observe_epoch(tenant)
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._sweep_s)
-            self.sweep()
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -10,6 +10,11 @@ namespace changes) a replica restarted on the new secret lists only the findings
 findings push the old ones out, and a purge, invalidation or deletion still erases them all. Redis is
 never on a request's path (findings are recorded in the background) and its failure is not fatal: the
 replica keeps its own copy and serves that meanwhile.
+
+A finding carries the tenant epoch its request was prepared at. A forget (purge, invalidation, deletion)
+leaves the tenant's new epoch behind in Redis, and a write from an older epoch is refused atomically
+(one Lua script): a background write that lands after the forget, from this replica or from one that
+has not seen the new epoch yet, cannot bring the forgotten findings back.
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ class LocalFindings:
         self.limit = limit
         self._by_tenant: dict[str, deque[DivergingSpan]] = {}
 
-    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
-        """Keep ``span`` unless its (model, position) is kept already; True if it is new."""
+    async def record(self, tenant_id: str, span: DivergingSpan, *, epoch: int = 0) -> bool:
+        """Keep ``span`` unless its (model, position) is kept already; True if it is new. ``epoch``
+        (the tenant's when the request was prepared) is checked by the caller, on this event loop."""
         spans = self._by_tenant.setdefault(tenant_id, deque(maxlen=self.limit))
         if any(s.position_token == span.position_token and s.model_id == span.model_id for s in spans):
             return False
@@ -75,7 +81,7 @@ class LocalFindings:
         """The tenant's findings, newest first."""
         return [span.to_json() for span in reversed(self._by_tenant.get(tenant_id, ()))]
 
-    async def forget(self, tenant_id: str) -> None:
+    async def forget(self, tenant_id: str, *, epoch: int | None = None) -> None:
         self.forget_local(tenant_id)
 
     def forget_local(self, tenant_id: str) -> None:
@@ -86,9 +92,12 @@ class LocalFindings:
         pass
 
 
-# Add a finding unless its (model, position) is known, then keep the `limit` newest. KEYS: spans hash,
-# order zset (same hash tag). ARGV: field, json, seen_at, limit, ttl_ms.
+# Add a finding unless its (model, position) is known or its epoch is older than the tenant's last forget,
+# then keep the `limit` newest. KEYS: spans hash, order zset, forgotten epoch (same hash tag). ARGV:
+# field, json, seen_at, limit, ttl_ms, epoch.
 _RECORD = """
+local forgotten = tonumber(redis.call('GET', KEYS[3]) or '-1')
+if tonumber(ARGV[6]) < forgotten then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
   local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
@@ -99,6 +108,17 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
+return 1
+"""
+
+# Forget a tenant's findings and keep the newest epoch forgotten (for as long as a finding could live).
+# KEYS: spans hash, order zset, forgotten epoch. ARGV: epoch (-1: none known), ttl_ms.
+_FORGET = """
+redis.call('DEL', KEYS[1], KEYS[2])
+local epoch = tonumber(ARGV[1])
+if epoch >= 0 and epoch > tonumber(redis.call('GET', KEYS[3]) or '-1') then
+  redis.call('SET', KEYS[3], epoch, 'PX', ARGV[2])
+end
 return 1
 """
 
@@ -120,6 +140,7 @@ class RedisFindings:
 
         self._redis = redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._record = self._redis.register_script(_RECORD)
+        self._forget = self._redis.register_script(_FORGET)
         self._local = LocalFindings(limit)
         self.limit = limit
         self._ttl_ms = int(ttl_s * 1000)
@@ -127,9 +148,10 @@ class RedisFindings:
         self._salt = salt  # the namespace secret in use: a rotation changes every namespace id
         self._warned_at = 0.0
 
-    def _keys(self, tenant_id: str) -> tuple[str, str]:
-        base = f"{self._prefix}:{{{tenant_id}}}"  # one hash tag: both keys on one cluster slot
-        return f"{base}:spans", f"{base}:order"
+    def _keys(self, tenant_id: str) -> tuple[str, str, str]:
+        """The tenant's spans, their order and the newest epoch forgotten (one hash tag: one slot)."""
+        base = f"{self._prefix}:{{{tenant_id}}}"
+        return f"{base}:spans", f"{base}:order", f"{base}:forgotten-epoch"
 
     def _namespace(self, tenant_id: str) -> str:
         """The start of the tenant's fields under the namespace secret in use."""
@@ -140,14 +162,15 @@ class RedisFindings:
             self._warned_at = time.monotonic()
             log.warning("near-miss findings: Redis %s failed (%s); serving this replica's own", what, error)
 
-    async def record(self, tenant_id: str, span: DivergingSpan) -> bool:
+    async def record(self, tenant_id: str, span: DivergingSpan, *, epoch: int = 0) -> bool:
+        """As ``LocalFindings.record``; Redis refuses it if the tenant was forgotten at a newer epoch."""
         if not await self._local.record(tenant_id, span):
             return False  # this replica wrote it already (the same spot recurs with every near miss)
         field = f"{self._namespace(tenant_id)}{span.model_id}\0{span.position_token}"
         try:
             await self._record(
                 keys=list(self._keys(tenant_id)),
-                args=[field, json.dumps(asdict(span)), span.seen_at, self.limit, self._ttl_ms],
+                args=[field, json.dumps(asdict(span)), span.seen_at, self.limit, self._ttl_ms, epoch],
             )
         except Exception as error:  # redis.RedisError, OSError, timeouts: the local copy stands
             self._warn("write", error)
@@ -155,7 +178,7 @@ class RedisFindings:
 
     async def recent(self, tenant_id: str) -> list[dict[str, Any]]:
         """Every replica's findings for the tenant under the namespace secret in use, newest first."""
-        spans_key, order_key = self._keys(tenant_id)
+        spans_key, order_key, _ = self._keys(tenant_id)
         namespace = self._namespace(tenant_id).encode()
         try:
             fields = await self._redis.zrevrange(order_key, 0, self.limit - 1)
@@ -170,10 +193,14 @@ class RedisFindings:
         """Drop this replica's copy only (another replica that took the purge clears Redis)."""
         self._local.forget_local(tenant_id)
 
-    async def forget(self, tenant_id: str) -> None:
+    async def forget(self, tenant_id: str, *, epoch: int | None = None) -> None:
+        """Drop the tenant's findings here and in Redis, where a write from before ``epoch`` (the
+        tenant's new one) is refused from now on."""
         self._local.forget_local(tenant_id)
         try:
-            await self._redis.delete(*self._keys(tenant_id))
+            await self._forget(
+                keys=list(self._keys(tenant_id)), args=[-1 if epoch is None else epoch, self._ttl_ms]
+            )
         except Exception as error:
             self._warn("delete", error)
 

@@ -227,11 +227,20 @@ def client_usage(billed: dict[str, Any], forwarded: ForwardedRequest, call: Tena
 def num_limit_tokens_used(call: TenantCall, forwarded: ForwardedRequest) -> int | None:
     """What the request counts against the tenant's tokens per minute once the upstream has counted:
     its prompt + n × max_tokens as the check counts them (the completion instead, when it is longer:
-    a request without max_tokens may pass the default). None: the upstream reported nothing."""
-    usage = call.usage if call.usage is not None else call.prompt_usage
-    if usage is None:
-        return None
-    completion = int(usage.get("completion_tokens", call.delivered_tokens))
+    a request without max_tokens may pass the default). For a stream that did not complete, the
+    completion is what the upstream generated as far as the gateway received it (its latest usage, or
+    one token per chunk choice), delivered or not: a stream cut for not being read used the upstream's
+    capacity for all of it. None: the upstream reported nothing and sent no token."""
+    if call.usage is not None:
+        usage, completion = call.usage, int(call.usage["completion_tokens"])
+    else:  # did not complete: what the upstream generated, delivered or not (billing: the delivered)
+        usage = call.generated_usage or call.prompt_usage
+        if usage is None and call.generated_tokens:
+            usage = {"prompt_tokens": forwarded.num_prompt_estimate}
+        if usage is None:
+            return None
+        reported = int(usage.get("completion_tokens", 0))
+        completion = max(reported, call.delivered_tokens, call.generated_tokens)
     num_reserved = forwarded.num_limit_tokens - forwarded.num_prompt_estimate
     return int(usage["prompt_tokens"]) + max(num_reserved, completion)
 
@@ -322,7 +331,7 @@ class _Relay:
         bound = self._forwarded.max_completion_tokens
         usage = billing_usage(chunk.pop("usage", None), max_completion_tokens=bound)
         if usage is not None:
-            self.usage = usage
+            self.usage = self._call.generated_usage = usage  # not rewound by a cut: the window's
         chunk.update(id=self._call.completion_id, model=self._forwarded.request.model)
         self._base = {key: chunk[key] for key in ("id", "object", "created", "model") if key in chunk}
         choices = chunk.get("choices")
@@ -330,6 +339,7 @@ class _Relay:
             self._num_pending = 0
             return b""
         self._num_pending = _num_token_choices(choices)
+        self._call.generated_tokens += self._num_pending  # received, delivered or not: the window's
         if self._forwarded.request.include_usage:
             chunk["usage"] = None  # as OpenAI: only the last chunk carries it
         return ChunkWriter.sse(chunk)

@@ -1,10 +1,12 @@
 """The tokens-per-minute window of a bundled-worker request, corrected once the answer is known.
 
-The check (``openai_api.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
+The check (``tenant_calls.check_token_limit``, before routing) counts prompt + n × max_tokens, as OpenAI
 does; the worker usually generates fewer. Once the request ends, its window is corrected to what the
 worker did: the prompt (when a worker took the request: not when every worker shed it unstarted or
-refused it as invalid, ``refused_unstarted``) plus the completion tokens generated (the
-worker's usage) or, for an answer that did not complete, those delivered. A refund goes back to the
+refused it as invalid, ``refused_unstarted``) plus the completion tokens generated (the worker's usage)
+or, for an answer that did not complete, those received from the worker, delivered or not: a stream
+cut for not being read used the worker for all it generated, and settling it to what the client took
+would let a tenant holding stalled streams generate past its limit. A refund goes back to the
 window the check counted in, while it is current (``gateway.ratelimit``); a charge (a request that used
 more than it was counted, which the worker's max_tokens should prevent) lands in the current one. As the
 upstream path's ``upstream_serve.settle_token_limit``, the correction runs in its own task: a client
@@ -43,7 +45,10 @@ def num_worker_tokens_used(call: TenantCall) -> int:
         return 0
     usage = call.usage or call.prompt_usage or {}
     prompt = int(usage.get("prompt_tokens", call.num_prompt_tokens))
-    completion = int(call.usage.get("completion_tokens", 0)) if call.usage else call.delivered_tokens
+    if call.usage:
+        completion = int(call.usage.get("completion_tokens", 0))
+    else:  # did not complete: what the worker sent, delivered or not (billing counts only the delivered)
+        completion = max(call.delivered_tokens, call.generated_tokens)
     return prompt + completion
 
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from worker.config import ContextDoesNotFit, parse_args
 from worker.server import create_app
+from worker.tiers.disk_lock import DiskInUse
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
         web.run_app(
             create_app(config), host=config.host, port=config.port, handler_cancellation=True, print=None
         )
-    except ContextDoesNotFit as exc:
+    except (ContextDoesNotFit, DiskInUse) as exc:
         print(f"prefixgate worker: {exc}", file=sys.stderr)
         sys.exit(2)
 

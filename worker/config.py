@@ -44,6 +44,9 @@ class WorkerConfig:
     remote_timeout_ms: int = 250  # per Redis call; 50 ms tripped on a busy host (issue 9)
     remote_pause_s: float = 5.0  # the remote tier is skipped this long after an error or timeout
     remote_codec: str = "none"
+    # A dedicated owner's reservation is released after this long without a request (0: never); its
+    # Redis blocks unread that long have expired anyway (remote_ttl_s).
+    reservation_idle_s: float = 3600.0
     kv_events_capacity: int = 1 << 17  # KV events kept for consumers to replay (worker.kv_events)
     flush_on_stop: bool = True  # write cached blocks to the disk tier on a clean shutdown
     shared_secret: str | None = field(default=None, repr=False)  # bearer the gateways send (worker.auth)

@@ -50,6 +50,7 @@ from worker.request_io import (
     set_exception,
     step_seqs,
 )
+from worker.reservations import ReservationKeeper
 from worker.scheduler import Scheduler
 from worker.sequence import SamplingParams, Sequence, Status, Timings
 from worker.structured import GrammarCompiler, GrammarError
@@ -116,6 +117,15 @@ class Engine:
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
             self.block_manager.on_reservation = self.store.set_reservation  # L2, L3, Redis follow L1's grants
+        # Idle reservations released; the rest saved beside the disk's files and asked again at start-up.
+        self.reservations = ReservationKeeper(
+            self.block_manager,
+            idle_s=config.reservation_idle_s,
+            directory=self.store.disk.dir if self.store is not None and self.store.disk is not None else None,
+        )
+        self.reservations.restore()
+        idle_s = config.reservation_idle_s
+        self._idle_wake_s = max(0.05, min(5.0, idle_s / 4)) if idle_s > 0 else None
         self.purge_fence = PurgeFence()
         self._purges: set[asyncio.Future[Any]] = set()  # purges under way (kept while their callers are gone)
         self.scheduler = Scheduler(
@@ -168,6 +178,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._fail_unrun_purges()
+        self.reservations.save()  # the latest "last asked" times, for the next start
         if self.store is not None:
             close_store(self.store, self.block_manager, flush=self.config.flush_on_stop)
 
@@ -343,7 +354,8 @@ class Engine:
             if block:
                 self.watchdog.idle()
             # Work that only waits on a copy or a prefetch: sleep on the inbox briefly instead of spinning.
-            timeout = 0.0005 if idle and not block else None
+            # No work: still wake now and then to release idle reservations (``_idle_wake_s`` None: never).
+            timeout = self._idle_wake_s if block else (0.0005 if idle else None)
             try:
                 while True:
                     command, arg = self._inbox.get(block=block or timeout is not None, timeout=timeout)
@@ -355,6 +367,7 @@ class Engine:
                     self.watchdog.progress()
             except queue.Empty:
                 pass
+            self.reservations.tick()
             if self.scheduler.has_work:
                 if self.store is not None:  # budget given back since: waiting requests' cut prefetches
                     resume_prefetches(self.store, self.block_manager, self.scheduler.waiting)
@@ -404,7 +417,7 @@ class Engine:
                 self._leave_queue(seq)
                 return
             for segment in seq.segments:  # 0 releases a reservation its owner no longer asks for
-                self.block_manager.set_reservation(segment.namespace_id, segment.reserved_blocks)
+                self.reservations.ask(segment.namespace_id, segment.reserved_blocks)
             self._sequences[seq.request_id] = seq
             seq.purge_tag = self.purge_fence.tag()
             if seq.use_cache and self.store is not None:

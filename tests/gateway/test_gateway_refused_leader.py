@@ -8,8 +8,8 @@ the worker, or cancelled, computes nothing: its follower waited the whole hold (
 The worker's refusal was shown with ``top_p: 0``, which the worker refused after the gateway had
 routed it; since review r6 #6 it is served (as the smallest nucleus), and no request that passes the
 gateway's checks is refused by the bundled worker any more. Any answer but a 200 drops the placement
-(``openai_api._record`` → ``RequestPipeline.abandon``); the router's side of that is tested above without
-a worker."""
+(``tenant_calls.record_call`` → ``RequestPipeline.abandon``); the router's side of that is tested above
+without a worker."""
 
 from __future__ import annotations
 

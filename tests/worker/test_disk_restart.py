@@ -62,6 +62,7 @@ def test_a_child_scanned_before_its_parent_is_linked_after_restart(tmp_path):
     (chain,) = _chains_scanned_child_first(1)
     first = _tier(tmp_path, 1 << 24)
     assert first.write(chain) == 4 and len(first.files) == 2
+    first.close()  # the worker stopped
     restarted = _tier(tmp_path, 1 << 24)
     counts = {info.records[0].block_hash: info.num_child_files for info in restarted.files.values()}
     assert counts == {chain[0].record.block_hash: 1, chain[2].record.block_hash: 0}
@@ -69,7 +70,9 @@ def test_a_child_scanned_before_its_parent_is_linked_after_restart(tmp_path):
 
 def test_the_parent_of_an_evicted_child_is_evictable_after_restart(tmp_path):
     (chain,) = _chains_scanned_child_first(1)
-    _tier(tmp_path, 1 << 24).write(chain)
+    first = _tier(tmp_path, 1 << 24)
+    first.write(chain)
+    first.close()
     tier = _tier(tmp_path, 4 * _file_bytes(tmp_path))
     parent_id = next(f for f, info in tier.files.items() if info.records[0] == chain[0].record)
     for seed in range(1000, 1012):  # twelve newer 2-block files through a 4-file budget
@@ -82,6 +85,7 @@ def test_the_tier_stays_within_its_budget_after_a_restart(tmp_path):
     first = _tier(tmp_path, 1 << 24)
     for chain in _chains_scanned_child_first(6):
         first.write(chain)
+    first.close()
     budget = 4 * _file_bytes(tmp_path)
     tier = _tier(tmp_path, budget)  # restarted with a smaller budget than the files it finds
     assert tier.num_bytes <= budget
@@ -136,6 +140,7 @@ def test_a_file_whose_header_is_larger_than_64_kib_survives_a_restart(tmp_path):
 
     first = tier()
     assert first.write(_long_chain(32, 320)) == 32 and first.stats()["files"] == 1  # a 32-block file
+    first.close()
     restarted = tier()
     stats = restarted.stats()
     assert stats.get("corrupt_deleted_total", 0) == 0, stats  # before: "truncated entry header", deleted
@@ -149,6 +154,7 @@ def test_a_file_whose_header_claims_more_than_the_file_holds_is_deleted(tmp_path
     data = bytearray(path.read_bytes())
     data[6:10] = (len(data) + 1).to_bytes(4, "little")  # the header length in the fixed prefix
     path.write_bytes(data)
+    first.close()
     restarted = _tier(tmp_path, 1 << 24)
     assert restarted.stats()["corrupt_deleted_total"] == 1 and not path.exists()
 
@@ -167,6 +173,7 @@ def test_a_file_listing_no_blocks_is_deleted_not_fatal(tmp_path):
     )  # a valid checksum over a header that lists no block
     path = first.dir / "t-a" / f"{'0' * 64}.kv"
     path.write_bytes(empty)
+    first.close()
     restarted = _tier(tmp_path, 1 << 24)  # before: IndexError in _parents_first, the worker never started
     assert restarted.stats()["corrupt_deleted_total"] == 1 and not path.exists()
     assert restarted.index == first.index

@@ -165,6 +165,7 @@ def test_a_disk_restarted_with_a_smaller_budget_announces_only_the_files_it_keep
     before = _disk(tmp_path, budget_bytes=64 << 20)
     for seed in range(100):  # 1600 blocks on disk
         assert before.write(_blocks(f"t-{seed % 4}", seed, 16)) == 16
+    before.close()  # the worker stopped
     log = KVEventLog()
     after = _disk(tmp_path, budget_bytes=64 * BLOCK_BYTES, log=log)  # the operator shrank --l3-bytes
     assert 0 < len(after.index) <= 64

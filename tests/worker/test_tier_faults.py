@@ -73,12 +73,17 @@ def test_tier_fault_settings_are_flags_and_environment(monkeypatch):
 
 
 class SlowLink:
-    """A TCP proxy in front of a real Redis that holds every reply ``delay_s``: a busy host's latency."""
+    """A TCP proxy in front of a real Redis that holds every reply ``delay_s``: a busy host's latency.
+
+    ``round_trips`` counts the times a client spoke after its last reply (or first): each is a wait for
+    Redis, however many commands one pipeline or script carries."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.target_port, self.delay_s = target_port, delay_s
+        self.round_trips = 0
+        self._count_lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -86,14 +91,24 @@ class SlowLink:
             while True:
                 client, _ = self.listener.accept()
                 server = socket.create_connection(("127.0.0.1", self.target_port))
-                threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
-                threading.Thread(target=self._pump, args=(server, client, self.delay_s), daemon=True).start()
+                answered = [True]  # this connection's client has its replies: its next bytes are a new trip
+                threading.Thread(
+                    target=self._pump, args=(client, server, 0.0, answered, True), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pump, args=(server, client, self.delay_s, answered, False), daemon=True
+                ).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, delay_s: float) -> None:
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, delay_s: float, answered: list[bool], asks: bool
+    ) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(1 << 16):
                 time.sleep(delay_s)
+                with self._count_lock:
+                    if asks and answered[0]:
+                        self.round_trips += 1
+                    answered[0] = not asks
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)

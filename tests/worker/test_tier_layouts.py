@@ -114,7 +114,9 @@ def _disk(root, codec: str, shape=SHAPE, events=None) -> DiskTier:
 
 def test_disk_files_of_another_codec_are_read_after_a_restart(tmp_path):
     blocks = _blocks()
-    assert _disk(tmp_path, "fp8").write(blocks) == 3
+    first = _disk(tmp_path, "fp8")
+    assert first.write(blocks) == 3
+    first.close()  # the worker stopped
     restarted = _disk(tmp_path, "none")  # the operator switched to --l3-codec none
     found = restarted.match([b.record.block_hash for b in blocks], [b.record.token_ids for b in blocks])
     assert len(found) == 3
@@ -125,7 +127,9 @@ def test_disk_files_of_another_codec_are_read_after_a_restart(tmp_path):
 
 
 def test_disk_files_of_another_block_layout_are_deleted_at_start_and_not_announced(tmp_path):
-    assert _disk(tmp_path, "none", shape=OTHER_SHAPE).write(_blocks(shape=OTHER_SHAPE)) == 3
+    first = _disk(tmp_path, "none", shape=OTHER_SHAPE)
+    assert first.write(_blocks(shape=OTHER_SHAPE)) == 3
+    first.close()
     log = KVEventLog(64)
     restarted = _disk(tmp_path, "none", events=TierEvents(log, "L3"))
     assert restarted.stats()["files"] == 0 and restarted.counters["corrupt_deleted_total"] == 1

@@ -33,6 +33,7 @@ from policies.eviction import BlockId, BlockMeta, make_policy
 from policies.fair_share import max_min_shares
 from policies.hashing import BlockHash
 from worker.kv_events import TierEvents
+from worker.tiers import disk_lock
 from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import entry_codec, get_codec
 from worker.tiers.entry import (
@@ -178,17 +179,34 @@ class DiskTier:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._paused_until = 0.0
-        self.dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-        for directory in (root, self.dir):  # cached prompts: the worker's user only
-            directory.chmod(DIR_MODE)
-        self._scan(root)
+        # Held while this worker runs (DiskInUse if a live worker of this model holds it): no other
+        # worker deletes it as a foreign model's cache, and no second worker of this model shares it.
+        self._lock_fd: int | None = disk_lock.hold(self.dir, mode=DIR_MODE)
+        try:
+            for directory in (root, self.dir):  # cached prompts: the worker's user only
+                directory.chmod(DIR_MODE)
+            self._scan(root)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of the directory (worker stop): another worker may use it, or drop it as foreign."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # ---- start-up ------------------------------------------------------------------------------
     def _scan(self, root: Path) -> None:
+        disk_lock.sweep_trash(root)
         for other in root.iterdir():
             if other.is_dir() and other != self.dir and len(other.name) == 16:
-                self.counters["foreign_deleted_total"] += sum(1 for _ in other.rglob("*.kv"))
-                shutil.rmtree(other, ignore_errors=True)
+                dropped = disk_lock.drop_unheld(other, root)  # another model's cache, unless it is live
+                if dropped is None:
+                    self.counters["foreign_live_kept_total"] += 1
+                    log.info("kept %s: a live worker of another model holds it", other)
+                else:
+                    self.counters["foreign_deleted_total"] += dropped
         found: list[tuple[Path, EntryHeader, int]] = []
         for path in sorted(self.dir.rglob("*")):
             if path.is_dir():
@@ -391,16 +409,24 @@ class DiskTier:
         return written
 
     def _ensure_dir(self) -> None:
-        """Recreate the tier's directory if it was deleted under us; the files it held are forgotten."""
-        if self.dir.is_dir():
+        """Recreate the tier's directory if it was deleted under us (the files it held are forgotten) and
+        hold it again; OSError (EBUSY) while another worker of this model holds the new one."""
+        if self._lock_fd is not None and self.dir.is_dir():
             return
-        with self._lock:
-            lost = list(self.files)
-            for file_id in lost:
-                self._drop(file_id, unlink=False)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.counters["dir_recreated_total"] += 1
-        log.warning("disk tier directory %s was gone: recreated it, %d files forgotten", self.dir, len(lost))
+        if self._lock_fd is not None:  # deleted under us, its lock file with it
+            with self._lock:
+                lost = list(self.files)
+                for file_id in lost:
+                    self._drop(file_id, unlink=False)
+            self.close()
+            self.counters["dir_recreated_total"] += 1
+            log.warning(
+                "disk tier directory %s was gone: recreating it, %d files forgotten", self.dir, len(lost)
+            )
+        try:
+            self._lock_fd = disk_lock.hold(self.dir, mode=DIR_MODE, wait_s=0)
+        except disk_lock.DiskInUse as exc:  # taken by another worker of this model meanwhile: not ours now
+            raise OSError(errno.EBUSY, str(exc)) from None
 
     def _write_run(self, run: list[DemotedBlock]) -> int:
         self._ensure_dir()

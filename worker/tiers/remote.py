@@ -34,6 +34,7 @@ from worker.tiers.at_rest import AtRestCipher
 from worker.tiers.codec import Codec, entry_codec, get_codec
 from worker.tiers.entry import BlockRecord, CorruptEntry, decode_header, encode_entry, payloads
 from worker.tiers.host import DemotedBlock
+from worker.tiers.remote_quotas import SharedRequests
 
 log = logging.getLogger("prefixgate.worker.remote")
 
@@ -81,6 +82,28 @@ local total = tonumber(redis.call('GET', KEYS[3]) or '0')
     + _evict_oldest("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]")
     + "return evicted\n"
 )
+# A purge erases a chunk of a namespace's keys in one call (a round trip per chunk, not two per key):
+# each key is deleted and unbooked from every LRU it may be booked in (the shared one and the owner's
+# partition: KEYS[1 .. 3 * ARGV[1]], three keys per book), its size taken off that book's byte count.
+_ERASE_SCRIPT = """
+local num_books = tonumber(ARGV[1])
+local erased = {}
+for i = 3 * num_books + 1, #KEYS do
+  local key = KEYS[i]
+  if redis.call('DEL', key) == 1 then erased[#erased + 1] = key end
+  for b = 0, num_books - 1 do
+    local size = redis.call('HGET', KEYS[3 * b + 2], key)
+    if size then
+      redis.call('HDEL', KEYS[3 * b + 2], key)
+      redis.call('DECRBY', KEYS[3 * b + 3], size)
+    end
+    redis.call('ZREM', KEYS[3 * b + 1], key)
+  end
+end
+return erased
+"""
+PURGE_SCAN_COUNT = 1000  # keys SCAN looks at per call
+PURGE_CHUNK_KEYS = 256  # keys one erase call takes (Redis runs a script alone: keep each one short)
 # A quota partition whose quota shrank (another dedicated owner asked) or went is trimmed to its new quota
 # (0: emptied) before this worker's next write, as the put script trims: oldest first.
 
@@ -120,6 +143,8 @@ class RemoteTier:
         pause_after_error_s: float = 5.0,
         cipher: AtRestCipher | None = None,
         events: TierEvents | None = None,
+        reservation_sync_s: float = 1.0,
+        reservation_lease_s: float = 60.0,
     ) -> None:
         self.events = events
         self.tier_id: str | None = None  # shared by every worker of this model on this Redis (identify)
@@ -141,10 +166,15 @@ class RemoteTier:
         self._put = self.client.register_script(_PUT_SCRIPT)
         self._touch = self.client.register_script(_TOUCH_SCRIPT)
         self._trim = self.client.register_script(_TRIM_SCRIPT)
+        self._erase = self.client.register_script(_ERASE_SCRIPT)
         # Held from a read's TTL refresh to its "stored" events, and from a purge's delete to its "removed"
         # events: this worker never announces a block stored after it announced its purge.
         self._announce_lock = threading.Lock()
-        self._requested: dict[str, int] = {}  # dedicated namespace -> bytes its reservation asks for
+        # Dedicated namespaces' requests, this worker's and the other workers' (kept in Redis): the quotas
+        # are granted from all of them, so workers together never reserve more than half the budget.
+        self.requests = SharedRequests(
+            self.client, self.prefix, sync_s=reservation_sync_s, lease_s=reservation_lease_s
+        )
         self._quotas: dict[str, int] = {}  # dedicated namespace -> bytes of its own LRU partition (granted)
         self._shrunk: set[str] = set()  # partitions to trim to their (smaller) quota before the next write
         self._quota_lock = threading.Lock()
@@ -198,22 +228,41 @@ class RemoteTier:
 
     def set_reservation(self, namespace_id: str, num_bytes: int) -> None:
         """Ask for a dedicated owner's own LRU partition of up to ``num_bytes`` (0: none any more), which
-        others' writes never evict.
+        others' writes never evict (engine thread: no Redis I/O; the writer publishes it).
 
-        The quotas granted are max-min fair shares of half the budget among the owners asking (this
-        worker's view), and the shared LRU keeps the rest: quotas and shared limit together never exceed
-        ``budget_bytes``. A partition whose quota shrinks or goes is trimmed before the next write.
+        The quotas granted are max-min fair shares of half the budget among the owners asking, on every
+        worker of this model sharing the Redis (``remote_quotas``), and the shared LRU keeps the rest:
+        quotas and shared limit together never exceed ``budget_bytes``. A partition whose quota shrinks or
+        goes is trimmed before the next write.
         """
-        if self._requested.get(namespace_id, 0) == max(0, num_bytes):
-            return  # (every request of a dedicated tenant sets it again)
-        if num_bytes > 0:
-            self._requested[namespace_id] = num_bytes
-        else:
-            self._requested.pop(namespace_id, None)
+        if self.requests.ask(namespace_id, num_bytes):  # (every request of a dedicated tenant sets it again)
+            self._grant()
+
+    def sync_reservations(self) -> None:
+        """Publish this worker's requests and read the other workers' when due (writer thread; at most
+        every ``reservation_sync_s`` unless this worker's requests changed). Raises redis errors."""
+        if self.requests.due:
+            self.requests.sync()
+            self._grant()
+
+    def renew_reservations(self) -> None:
+        """While this worker writes nothing (writer thread, idle): renew its requests' leases, so other
+        workers keep counting them; errors pause the tier as a write's would."""
+        if not self.requests.mine or not self.available:
+            return
+        try:
+            self.requests.sync()
+        except ERRORS as exc:
+            self._failed(exc)
+            return
+        self._grant()
+
+    def _grant(self) -> None:
         with self._quota_lock:
-            before, self._quotas = self._quotas, max_min_shares(self._requested, self.budget_bytes // 2)
+            before, self._quotas = self._quotas, max_min_shares(self.requests.asked(), self.budget_bytes // 2)
             self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
-        self._bound_events()
+        if self._quotas != before:
+            self._bound_events()
 
     def _partition(self, namespace_id: str) -> list[str]:
         part = f"{self.prefix}:~quota:{namespace_id}"
@@ -260,6 +309,7 @@ class RemoteTier:
         payloads = self.codec.encode(torch.stack([b.data for b in blocks]))
         now_ms = int(time.time() * 1000)
         try:
+            self.sync_reservations()
             trimmed = self._trim_shrunk() if self._shrunk else []
             pipe = self.client.pipeline(transaction=False)
             for block, data in zip(blocks, payloads, strict=True):
@@ -400,28 +450,22 @@ class RemoteTier:
             RemoteUnavailable: Redis failed part-way; some blocks may remain (a retry is safe).
         """
         erased = 0
+        books = [self._lru, self._sizes, self._total, *self._partition(namespace_id)]
+        head = f"{self.prefix}:{namespace_id}:"
+        cursor = 0
         try:
-            partition = f"{self.prefix}:~quota:{namespace_id}"
-            books = [(self._lru, self._sizes, self._total)]
-            books.append((f"{partition}:lru", f"{partition}:sizes", f"{partition}:bytes"))
-            head = f"{self.prefix}:{namespace_id}:"
-            for key in self.client.scan_iter(match=_glob_escape(head) + "*", count=500):
-                if not _is_block_key(key, head):  # e.g. "<ns>:x:<hash>" of namespace "<ns>:x"
-                    continue
-                pipe = self.client.pipeline()
-                pipe.delete(key)
-                for lru, sizes, _ in books:  # the block may be booked in the shared LRU or the owner's
-                    pipe.hget(sizes, key)
-                    pipe.zrem(lru, key)
-                    pipe.hdel(sizes, key)
-                with self._announce_lock:
-                    deleted, *rest = pipe.execute()
-                    if deleted:
-                        self._announce_removed([key])
-                for (_, _, total), size in zip(books, rest[0::3], strict=True):
-                    if size:
-                        self.client.decrby(total, int(size))
-                erased += int(deleted)
+            while True:  # one SCAN call per page, one erase call per chunk of the keys it found
+                cursor, found = self.client.scan(
+                    cursor, match=_glob_escape(head) + "*", count=PURGE_SCAN_COUNT
+                )
+                keys = [key for key in found if _is_block_key(key, head)]  # not "<ns>:x:<hash>" of "<ns>:x"
+                for start in range(0, len(keys), PURGE_CHUNK_KEYS):
+                    with self._announce_lock:
+                        gone = self._erase(keys=[*books, *keys[start : start + PURGE_CHUNK_KEYS]], args=[2])
+                        self._announce_removed(gone)
+                    erased += len(gone)
+                if not cursor:
+                    break
         except ERRORS as exc:
             self._failed(exc)
             raise RemoteUnavailable(f"Redis failed after erasing {erased} blocks: {exc}") from exc

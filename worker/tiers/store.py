@@ -292,8 +292,17 @@ class TieredStore:
             self.dropped_demotions += len(blocks)
 
     def _write_loop(self) -> None:
+        # Idle, the writer still renews this worker's Redis reservation leases (other workers count them).
+        renew_s = self.remote.requests.lease_ms / 4000 if self.remote is not None else None
         while True:
-            item = self._writes.get()
+            try:
+                item = self._writes.get(timeout=renew_s)
+            except queue.Empty:
+                try:
+                    self.remote.renew_reservations()
+                except Exception:  # the writer must outlive any bug here
+                    log.exception("renewing the Redis reservations failed")
+                continue
             if item is None:
                 self._writes.task_done()
                 return
@@ -580,6 +589,8 @@ class TieredStore:
         for reader in self._readers:
             reader.join(timeout=30)
         self.copier.close()
+        if self.disk is not None:
+            self.disk.close()  # after the flush and the writer: its directory may be used by another now
 
     def remote_tier(self) -> dict[str, Any] | None:
         """The shared Redis tier as KV-event consumers see it: its id, how long a block lives unread and

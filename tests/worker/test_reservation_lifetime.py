@@ -1,0 +1,51 @@
+"""A dedicated tenant's reservation over time, on a real engine: kept across a restart (its files on disk
+stay protected before its first request), released once its owner has sent nothing for
+``--reservation-idle-s`` (an idle tenant no longer shrinks everyone else's share until a restart)."""
+
+import asyncio
+
+import pytest
+
+from tests.worker.conftest import greedy, prompt_of, run
+from tests.worker.test_engine_reservations import A, B, seg
+
+
+async def test_a_dedicated_tenants_protection_survives_a_restart(make_engine, tmp_path):
+    first = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    await run(first, "a1", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 8))
+    per_block = first.store.disk.block_payload_bytes
+    first.stop()
+    restarted = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    # No request of t-a yet: before, nothing protected its files from the first other owner's writes.
+    assert restarted.stats()["reserved_blocks"] == {"t-a": 8}
+    assert restarted.store.disk.reserved_bytes == {"t-a": 8 * per_block}
+    assert restarted.store.l2.index.requested_blocks == {"t-a": 8}
+
+
+@pytest.mark.parametrize("release", ["left dedicated", "purged"])
+async def test_a_released_reservation_is_not_restored(make_engine, tmp_path, release):
+    first = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    await run(first, "a1", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 8))
+    if release == "purged":
+        assert not (await first.purge("t-a"))[1]
+    else:  # its requests carry reserved_blocks 0
+        await run(first, "a2", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 0))
+    first.stop()
+    restarted = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    assert restarted.stats()["reserved_blocks"] == {}
+
+
+async def test_an_idle_dedicated_tenant_gives_its_share_back(make_engine, tmp_path):
+    engine = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0, reservation_idle_s=1.0)
+    await run(engine, "a1", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 32))
+    await run(engine, "b1", prompt_of(2, 40), params=greedy(2), segs=seg("t-b", B, 32))
+    assert engine.stats()["reserved_blocks"] == {"t-a": 16, "t-b": 16}
+    for i in range(6):  # only B keeps sending requests
+        await asyncio.sleep(0.3)
+        await run(engine, f"b{i + 2}", prompt_of(2, 40), params=greedy(2), segs=seg("t-b", B, 32))
+    assert engine.stats()["reserved_blocks"] == {"t-b": 32}  # before: A kept 16 until a restart
+    assert set(engine.store.disk.reserved_bytes) == {"t-b"}
+    await asyncio.sleep(1.5)  # an engine with no work at all releases an idle reservation too
+    assert engine.stats()["reserved_blocks"] == {}
+    await run(engine, "a2", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 32))
+    assert engine.stats()["reserved_blocks"] == {"t-a": 32}  # asked again: granted again

@@ -1,0 +1,119 @@
+"""Dedicated owners' reservations over time: released when idle, kept across a restart.
+
+The block manager grants reservations from what requests ask (``BlockManager.set_reservation``), and L2,
+L3 and Redis follow its grants. Two gaps closed here (engine thread only):
+
+- An owner that stops sending requests used to keep its share until the worker restarted, shrinking
+  everyone else's. A reservation not asked for ``idle_s`` is released (``tick``), as if the owner had
+  left ``dedicated``; its next request takes it again.
+- A restart forgot every reservation until each owner's first request, so its files on disk were open to
+  eviction by the first other owner writing. The requests (blocks asked, and when last) are saved next to
+  the disk tier's files (``~reservations.json``) and asked again at start-up, idle ones excepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from worker.block_manager import BlockManager
+
+log = logging.getLogger("prefixgate.worker.reservations")
+FILE_NAME = "~reservations.json"  # "~": never a namespace's directory name (tiers.disk._safe_dirname)
+SAVE_EVERY_S = 30.0  # how stale the saved "last asked" times may get (a crash loses at most this much)
+
+
+class ReservationKeeper:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        idle_s: float,
+        directory: Path | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.block_manager = block_manager
+        self.idle_s = idle_s  # 0: never released for idleness
+        self.path = directory / FILE_NAME if directory is not None else None
+        self.clock = clock  # wall time: it is compared across restarts
+        self.asked_at: dict[str, float] = {}  # namespace -> when a request last asked for its reservation
+        self._dirty = False
+        self._next_tick = 0.0
+
+    def ask(self, namespace_id: str, num_blocks: int) -> None:
+        """A request's segment asks for ``num_blocks`` (0: its owner is not dedicated, or not any more)."""
+        before = self.block_manager.requested_blocks.get(namespace_id, 0)
+        self.block_manager.set_reservation(namespace_id, num_blocks)
+        if num_blocks > 0:
+            self.asked_at[namespace_id] = self.clock()
+            self._dirty = True
+        elif namespace_id in self.asked_at:
+            del self.asked_at[namespace_id]
+            self._dirty = True
+        if before != max(0, num_blocks):
+            self.save()
+
+    def tick(self) -> None:
+        """Release reservations idle for ``idle_s`` and save the times now and then (cheap when not due)."""
+        now = self.clock()
+        if now < self._next_tick and len(self.asked_at) == len(self.block_manager.requested_blocks):
+            return
+        self._next_tick = now + min(SAVE_EVERY_S, self.idle_s / 4 if self.idle_s > 0 else SAVE_EVERY_S)
+        for namespace_id in [ns for ns in self.asked_at if ns not in self.block_manager.requested_blocks]:
+            del self.asked_at[namespace_id]  # released meanwhile (purged): saved without it below
+            self._dirty = True
+        if self.idle_s > 0:
+            for namespace_id, asked in sorted(self.asked_at.items()):
+                if now - asked >= self.idle_s:
+                    log.info(
+                        "releasing the reservation of %s: no request for %.0f s", namespace_id, now - asked
+                    )
+                    self.ask(namespace_id, 0)
+        if self._dirty:
+            self.save()
+
+    def restore(self) -> None:
+        """Ask again for the reservations saved by the last run, except those idle since (start-up)."""
+        if self.path is None:
+            return
+        try:
+            saved = json.loads(self.path.read_text())
+            entries = [(str(ns), int(e["blocks"]), float(e["asked_at"])) for ns, e in saved.items()]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("ignoring unreadable %s: %s", self.path, exc)
+            return
+        now = self.clock()
+        for namespace_id, num_blocks, asked_at in entries:
+            if num_blocks > 0 and (self.idle_s <= 0 or now - asked_at < self.idle_s):
+                self.block_manager.set_reservation(namespace_id, num_blocks)
+                self.asked_at[namespace_id] = min(asked_at, now)
+        self.save()
+
+    def save(self) -> None:
+        """Write the requests and their times (atomically; a failure loses only the restart's memory)."""
+        self._dirty = False
+        if self.path is None:
+            return
+        requested = self.block_manager.requested_blocks
+        entries = {
+            ns: {"blocks": requested[ns], "asked_at": asked}
+            for ns, asked in self.asked_at.items()
+            if ns in requested
+        }
+        tmp = self.path.with_suffix(".json.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(entries, handle)
+            tmp.replace(self.path)
+        except OSError as exc:
+            log.warning("could not save the reservations to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
