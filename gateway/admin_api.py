@@ -18,7 +18,7 @@ from gateway.errors import (
     NotFoundError,
     PermissionDenied,
 )
-from gateway.expect import expect_continue
+from gateway.expect import expect_continue, route_everything
 from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
 from gateway.schemas import read_json
 from gateway.slow_clients import request_body
@@ -285,4 +285,5 @@ def create_admin_app() -> web.Application:
     r.add_get("/workers", workers_status, expect_handler=expect_continue)
     admin_cache.add_routes(admin)
     admin_reports.add_routes(admin)
+    route_everything(admin, sub_app=True)
     return admin

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 import time
@@ -23,7 +22,7 @@ from gateway.cpu import CpuPool
 from gateway.drain import Drain, on_shutdown
 from gateway.embedding import PromptEmbedder
 from gateway.errors import AuthenticationError, error_middleware
-from gateway.expect import BODY_GATE, expect_continue
+from gateway.expect import close_uninvited, expect_continue, route_everything
 from gateway.kv_consumer import KVEventConsumer
 from gateway.kv_index import PrefixIndex
 from gateway.kv_relay import RedisKVRelay
@@ -38,7 +37,7 @@ from gateway.promotion import HotPrefixPromotion
 from gateway.promotion_redis import RedisPromotionCounter
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter
 from gateway.routing import ROUTERS
-from gateway.slow_clients import STARTED, admit_body, read_body_middleware
+from gateway.slow_clients import STARTED, read_body_middleware
 from gateway.state import (
     ADMISSION,
     CANONICALIZER,
@@ -310,10 +309,8 @@ def create_app(config: GatewayConfig) -> web.Application:
         handler_args={"auto_decompress": False},
     )
     app.on_response_prepare.append(request_id.add_request_id_header)
+    app.on_response_prepare.append(close_uninvited)
     app[STARTED] = weakref.WeakSet()
-    app[BODY_GATE] = functools.partial(
-        admit_body, max_body_bytes=config.max_body_bytes, authorize=authorize_from_headers
-    )
     app[CONFIG] = config
     app[UNKNOWN_FIELDS] = UnknownFields()
     app[ADMISSION] = AdmissionGate(
@@ -346,4 +343,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/metrics", metrics_handler, expect_handler=expect_continue)
     app.router.add_get("/openapi.json", openapi_handler, expect_handler=expect_continue)
     app.add_subapp("/admin/v1/", create_admin_app())
+    route_everything(app)
     return app

@@ -218,9 +218,7 @@ class PromptEmbedder:
         self.pieces_hits = 0  # heads ``at_hand`` found by their word pieces (tests, benchmarks)
         self.shed: dict[str, int] = {}  # background embeddings shed, per tenant
         self._shed_counter = None
-        self._tenant_label: Callable[[str], str] = lambda tenant: tenant
         if metrics is not None:
-            self._tenant_label = metrics.tenant_label
             self._shed_counter = metrics.tenant_counter(
                 "prefixgate_near_miss_embeddings_shed",
                 "Background near-miss embeddings not queued: the tenant already had the most queued",
@@ -363,7 +361,7 @@ class PromptEmbedder:
         if future is None:
             self.shed[tenant] = self.shed.get(tenant, 0) + 1
             if self._shed_counter is not None:
-                self._shed_counter.labels(self._tenant_label(tenant)).inc()
+                self._shed_counter.of(tenant).inc()
             raise EmbeddingShed(f"tenant {tenant!r} has {thread.depth(tenant)} background embeddings queued")
         self._in_flight[key] = (future, urgent)
 

@@ -3,6 +3,11 @@
 Per-tenant series are labelled with the tenant id, or with an opaque keyed hash of it
 (``tenant_labels="hash"``: the tenant's namespace id, which only admins can map back). The endpoint
 itself needs a bearer token (``gateway.app``): the counters are live per-tenant prompt lengths.
+
+Per-tenant counters (``TenantCounter``) are written by tenant id and remember which series each tenant
+has, so a policy reload drops a deleted tenant's series by visiting only the tenants that left (walking
+every counter's samples held the event loop ~1 s per reload at 10,000 tenants), and a tenant that left
+writes nothing more: its request still in flight at the delete cannot bring its series back.
 """
 
 from __future__ import annotations
@@ -19,12 +24,60 @@ OVERHEAD_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 TENANT_LABEL_MODES = ("id", "hash")
 
 
+class _Discarded:
+    """A write to a tenant that has left the policy snapshot: it goes nowhere."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+
+_DISCARDED = _Discarded()
+
+
+class TenantCounter:
+    """A Prometheus counter whose first label is the tenant, written by tenant id (``of``), that knows
+    each tenant's series (``forget`` drops them without walking the others')."""
+
+    __slots__ = ("_metrics", "_tenant_to_series", "counter")
+
+    def __init__(self, counter: Counter, metrics: GatewayMetrics) -> None:
+        self.counter = counter
+        self._metrics = metrics
+        self._tenant_to_series: dict[str, set[tuple[str, ...]]] = {}  # tenant id -> its label values
+
+    def of(self, tenant_id: str, *labels: str) -> Counter | _Discarded:
+        """The series of ``tenant_id`` (labelled ``tenant_label(tenant_id)``) and the other ``labels``;
+        a write that goes nowhere once the tenant has left the policy snapshot."""
+        metrics = self._metrics
+        if not metrics.is_live(tenant_id):
+            return _DISCARDED
+        label_values = (metrics.label_of(tenant_id), *labels)
+        series = self._tenant_to_series.get(tenant_id)
+        if series is None:
+            series = self._tenant_to_series[tenant_id] = set()
+            metrics.tenant_ids_with_series.add(tenant_id)
+        series.add(label_values)
+        return self.counter.labels(*label_values)
+
+    def forget(self, tenant_id: str) -> int:
+        """Drop every series of ``tenant_id``; returns how many there were."""
+        series = self._tenant_to_series.pop(tenant_id, ())
+        for label_values in series:
+            self.counter.remove(*label_values)
+        return len(series)
+
+
 class GatewayMetrics:
     def __init__(self, *, tenant_label: Callable[[str], str] | None = None) -> None:
         self.tenant_label: Callable[[str], str] = tenant_label or (lambda tenant_id: tenant_id)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._per_tenant: list[tuple[Counter, tuple[str, ...]]] = []  # metric, its label names
+        self._per_tenant: list[TenantCounter] = []
+        self.tenant_ids_with_series: set[str] = set()  # in any TenantCounter (filled by ``of``)
+        self._tenant_to_label: dict[str, str] = {}  # tenant_label's answers, for tenants with series
+        self._live_tenant_ids: frozenset[str] | None = None  # the policy snapshot's; None: none yet
         self.requests = self.tenant_counter(
             "prefixgate_requests", "Tenant API requests", ("tenant", "endpoint", "status")
         )
@@ -151,31 +204,43 @@ class GatewayMetrics:
             registry=r,
         )
 
-    def tenant_counter(self, name: str, documentation: str, labels: tuple[str, ...] = ("tenant",)) -> Counter:
-        """A counter with a ``tenant`` label (``tenant_label(tenant_id)``) on this registry: its series of
-        a deleted tenant are dropped by ``forget_tenants``."""
-        if "tenant" not in labels:
-            raise ValueError(f"{name}: a per-tenant counter needs a 'tenant' label")
-        counter = Counter(name, documentation, labels, registry=self.registry)
-        self._per_tenant.append((counter, labels))
+    def tenant_counter(
+        self, name: str, documentation: str, labels: tuple[str, ...] = ("tenant",)
+    ) -> TenantCounter:
+        """A counter labelled ``tenant`` first (``tenant_label(tenant_id)``), then ``labels[1:]``, on this
+        registry: its series of a deleted tenant are dropped by ``forget_tenants``."""
+        if labels[:1] != ("tenant",):
+            raise ValueError(f"{name}: a per-tenant counter needs 'tenant' as its first label")
+        counter = TenantCounter(Counter(name, documentation, labels, registry=self.registry), self)
+        self._per_tenant.append(counter)
         return counter
+
+    def is_live(self, tenant_id: str) -> bool:
+        """False once the policy snapshot no longer shows ``tenant_id`` (its series are gone)."""
+        live = self._live_tenant_ids
+        return live is None or tenant_id in live
+
+    def label_of(self, tenant_id: str) -> str:
+        """``tenant_label(tenant_id)``, computed once per tenant (a keyed hash in ``hash`` mode)."""
+        label = self._tenant_to_label.get(tenant_id)
+        if label is None:
+            label = self._tenant_to_label[tenant_id] = self.tenant_label(tenant_id)
+        return label
 
     def forget_tenants(self, tenant_ids: Iterable[str]) -> int:
         """Drop every per-tenant series of a tenant not in ``tenant_ids`` (the tenants of the policy
         snapshot just loaded: every replica drops a deleted tenant's series at its next reload, else
-        /metrics would grow with every tenant ever created). Returns the number of series dropped."""
-        live = {self.tenant_label(tenant_id) for tenant_id in tenant_ids}
+        /metrics would grow with every tenant ever created), and write none for such a tenant from now
+        on. Visits only the tenants that have series and left. Returns the number of series dropped."""
+        live = frozenset(tenant_ids)
+        self._live_tenant_ids = live
+        departed = self.tenant_ids_with_series - live
         num_dropped = 0
-        for counter, labels in self._per_tenant:
-            gone = {
-                tuple(sample.labels[name] for name in labels)
-                for family in counter.collect()
-                for sample in family.samples
-                if sample.labels.get("tenant") not in live
-            }
-            for label_values in gone:
-                counter.remove(*label_values)
-            num_dropped += len(gone)
+        for tenant_id in departed:
+            for counter in self._per_tenant:
+                num_dropped += counter.forget(tenant_id)
+            self._tenant_to_label.pop(tenant_id, None)
+        self.tenant_ids_with_series -= departed
         return num_dropped
 
     def render(self) -> tuple[bytes, str]:

@@ -37,7 +37,8 @@ from aiohttp import web
 
 from gateway.content_encoding import check_transfer_coding, content_coding, decode_body
 from gateway.errors import APIError, PayloadTooLarge, Unavailable
-from gateway.state import CONFIG
+from gateway.expect import is_unrouted, send_continue
+from gateway.state import CONFIG, PIPELINE
 
 if TYPE_CHECKING:
     from gateway.billing import TenantCall
@@ -67,7 +68,7 @@ def admit_body(
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLarge(f"request body too large (limit {max_body_bytes} bytes)")
-    if request.match_info.http_exception is not None:  # 404, 405: answered without reading
+    if is_unrouted(request):  # 404, 405: answered without reading
         return None
     principal = authorize(request)  # type: ignore[arg-type]
     if principal is not None:
@@ -119,6 +120,7 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
         reading_by[principal] = mine + held
         try:
             async with asyncio.timeout(read_timeout_s):
+                await send_continue(request)  # every check passed: only now is the body invited
                 body = await request.read()
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {read_timeout_s:g} s") from None
@@ -130,7 +132,11 @@ def read_body_middleware(  # type: ignore[no-untyped-def]
             else:
                 del reading_by[principal]
         coding = content_coding(request)
-        request[BODY] = body if coding is None else decode_body(body, coding, max_body_bytes)
+        if coding is not None:  # off the loop, in the asker's CPU-pool share (inflating 4 MiB: ~40 ms)
+            owner = principal.removeprefix("tenant:")  # a tenant's share is keyed by its id
+            run_cpu = request.config_dict[PIPELINE].run_cpu
+            body = await run_cpu(decode_body, body, coding, max_body_bytes, owner=owner)
+        request[BODY] = body
         return await handler(request)
 
     return middleware

@@ -158,18 +158,18 @@ async def check_worker_tokens(request: web.Request, call: TenantCall, num_tokens
 
 
 def _record_prompt_work(
-    metrics: GatewayMetrics, tenant: str, prepared: PreparedRequest, cached_tokens: int
+    metrics: GatewayMetrics, tenant_id: str, prepared: PreparedRequest, cached_tokens: int
 ) -> None:
     """Canonicalization and promotion counters of one request."""
     if prepared.num_canonicalized:
-        metrics.canonicalization_fragments.labels(tenant, "moved").inc(prepared.num_canonicalized)
+        metrics.canonicalization_fragments.of(tenant_id, "moved").inc(prepared.num_canonicalized)
     if prepared.num_reported:
-        metrics.canonicalization_fragments.labels(tenant, "reported").inc(prepared.num_reported)
+        metrics.canonicalization_fragments.of(tenant_id, "reported").inc(prepared.num_reported)
     if prepared.near_miss_exact_tokens is not None:
-        metrics.near_miss_tokens.labels(tenant).inc(prepared.near_miss_tokens(cached_tokens))
+        metrics.near_miss_tokens.of(tenant_id).inc(prepared.near_miss_tokens(cached_tokens))
     if prepared.promoted_prefix_tokens and cached_tokens:
         # Reuse runs from the start of the prompt, so the promoted part is reused first.
-        metrics.promoted_prefix_tokens.labels(tenant).inc(min(cached_tokens, prepared.promoted_prefix_tokens))
+        metrics.promoted_prefix_tokens.of(tenant_id).inc(min(cached_tokens, prepared.promoted_prefix_tokens))
 
 
 def record_call(request: web.Request, call: TenantCall, elapsed_s: float) -> None:
@@ -177,16 +177,16 @@ def record_call(request: web.Request, call: TenantCall, elapsed_s: float) -> Non
     request.config_dict[USAGE_WRITER].submit(event)
     by_tier = event.cached_tokens_by_tier
     metrics = request.config_dict[METRICS]
-    tenant = metrics.tenant_label(call.tenant.tenant_id)
-    metrics.requests.labels(tenant, call.endpoint, str(call.status)).inc()
+    tenant_id = call.tenant.tenant_id
+    metrics.requests.of(tenant_id, call.endpoint, str(call.status)).inc()
     metrics.latency.labels(call.endpoint).observe(elapsed_s)
-    metrics.prompt_tokens.labels(tenant).inc(event.prompt_tokens)
-    metrics.completion_tokens.labels(tenant).inc(event.completion_tokens)
-    metrics.saved_prefill_seconds.labels(tenant).inc(event.saved_prefill_ms / 1000)
+    metrics.prompt_tokens.of(tenant_id).inc(event.prompt_tokens)
+    metrics.completion_tokens.of(tenant_id).inc(event.completion_tokens)
+    metrics.saved_prefill_seconds.of(tenant_id).inc(event.saved_prefill_ms / 1000)
     for tier, count in by_tier.items():
-        metrics.cached_tokens.labels(tenant, tier).inc(count)
+        metrics.cached_tokens.of(tenant_id, tier).inc(count)
     if call.prepared is not None:
-        _record_prompt_work(metrics, tenant, call.prepared, event.cached_tokens)
+        _record_prompt_work(metrics, tenant_id, call.prepared, event.cached_tokens)
         if call.status == 200 and call.usage is not None:  # served: only now may it count for promotion
             request.config_dict[PIPELINE].served(call.prepared)
         else:  # refused by the worker, failed or cut: no follower may wait for its prefill

@@ -150,11 +150,11 @@ async def prepare(
             app[CANONICALIZER].apply, call.tenant, parsed, owner=call.tenant.tenant_id
         )
         parsed, num_moved = edit.request, edit.num_moved
-        metrics, tenant = app[METRICS], app[METRICS].tenant_label(call.tenant.tenant_id)
+        metrics, tenant_id = app[METRICS], call.tenant.tenant_id
         if edit.num_moved:
-            metrics.canonicalization_fragments.labels(tenant, "moved").inc(edit.num_moved)
+            metrics.canonicalization_fragments.of(tenant_id, "moved").inc(edit.num_moved)
         if edit.num_reported:
-            metrics.canonicalization_fragments.labels(tenant, "reported").inc(edit.num_reported)
+            metrics.canonicalization_fragments.of(tenant_id, "reported").inc(edit.num_reported)
     max_tokens = _max_tokens(call, parsed)
     namespace_key = pipeline.segments(call.tenant)[-1].key  # the tenant's, server-derived only
     head = _prompt_head(parsed, config.affinity_blocks * 64)

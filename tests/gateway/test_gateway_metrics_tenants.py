@@ -1,12 +1,23 @@
 """A deleted tenant's metric series leave /metrics on every replica (review r15 #5): else /metrics grows
-with every tenant ever created."""
+with every tenant ever created. A reload visits only the tenants that left (review r19 #4), and a
+deleted tenant's request still in flight does not bring its series back (review r19 #5)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+from prometheus_client import Counter
 
 from gateway.app import create_app
-from tests.gateway.conftest import ADMIN, make_config
+from gateway.config import OpenAIUpstreamConfig
+from gateway.metrics import GatewayMetrics
+from gateway.state import POLICY_CACHE
+from tests.gateway.conftest import ADMIN, create_tenant, make_config
+from tests.upstreams import hung_server
 
 
 async def _call(client, key: str) -> None:
@@ -59,3 +70,60 @@ async def _known(client, key: str) -> bool:
 
 async def _no_series(client, tenant_id: str) -> bool:
     return not await _series_of(client, tenant_id)
+
+
+def test_a_reload_visits_only_the_tenants_that_left(monkeypatch):
+    """Each reload walked every sample of every per-tenant counter and labelled every live tenant: with
+    10,000 tenants of ~10 series, +1.1 s on the event loop per reload (any admin change)."""
+    labelled: list[str] = []
+    metrics = GatewayMetrics(tenant_label=lambda tenant_id: labelled.append(tenant_id) or f"h_{tenant_id}")
+    tenant_ids = [f"tn_{i}" for i in range(1000)]
+    metrics.forget_tenants(tenant_ids)
+    for tenant_id in tenant_ids:
+        for status in ("200", "429"):
+            metrics.requests.of(tenant_id, "chat.completions", status).inc()
+        metrics.prompt_tokens.of(tenant_id).inc(3)
+        metrics.cached_tokens.of(tenant_id, "gpu").inc()
+    assert len(labelled) == len(tenant_ids)  # once per tenant, not once per write
+
+    def walked(counter):
+        raise AssertionError(f"a reload walked every series of {counter}")
+
+    monkeypatch.setattr(Counter, "collect", walked)
+    assert metrics.forget_tenants(tenant_ids) == 0  # nobody left
+    assert metrics.forget_tenants(tenant_ids[1:]) == 4  # tn_0 left: its 4 series
+    assert len(labelled) == len(tenant_ids)  # no live tenant labelled again
+    monkeypatch.undo()
+    text = metrics.render()[0].decode()
+    assert 'tenant="h_tn_0"' not in text and 'tenant="h_tn_1"' in text
+
+
+async def test_a_deleted_tenants_request_in_flight_does_not_bring_its_series_back(
+    aiohttp_client, sqlite_url, tmp_path
+):
+    with hung_server() as hung:
+        held = OpenAIUpstreamConfig(name="held", urls=(hung,), models=(("held", "m"),), probe_interval_s=0)
+        gateway = await aiohttp_client(
+            create_app(make_config(sqlite_url, tmp_path, openai_upstreams=(held,)))
+        )
+        tenant = await create_tenant(gateway, name="leaving", isolation="shared")
+        sdk = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
+        with contextlib.suppress(openai.APIStatusError):  # one finished call (503): the tenant has series
+            await sdk.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        assert await _series_of(gateway, tenant["id"])
+        in_flight = asyncio.create_task(
+            sdk.chat.completions.create(
+                model="held", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+        )
+        await asyncio.sleep(1.0)  # admitted, and waiting on the hung upstream
+        assert not in_flight.done()
+        deleted = await gateway.delete(f"/admin/v1/tenants/{tenant['id']}?shared_cache=keep", headers=ADMIN)
+        assert deleted.status == 200, await deleted.text()
+        assert await _series_of(gateway, tenant["id"]) == []
+    # the hung upstream is gone: the request ends (an error) and is recorded
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+        await asyncio.wait_for(in_flight, 30)
+    await sdk.close()
+    await gateway.app[POLICY_CACHE].refresh_if_changed()  # the poller: no change, no reload
+    assert await _series_of(gateway, tenant["id"]) == []

@@ -1,8 +1,9 @@
 """``Expect`` and ``Content-Encoding`` against the gateway as served (``gateway.up._serve``), review r15
 #3 and #4.
 
-No upload is invited (``100 Continue``) before its headers pass the checks a body gets (size, key,
-coding); every refusal is OpenAI's error JSON with the request id; a body's coding is decoded within the
+No upload is invited (``100 Continue``) before its headers pass the checks a body gets (request id,
+size, key, coding, reading budget), nor on any path or method that reads no body (404, 405, /healthz);
+every refusal is OpenAI's error JSON with the request id; a body's coding is decoded within the
 body limit, and a coding the gateway does not decode is a 415 naming the header, never an ERROR log or a
 body read as if it were plain.
 """
@@ -11,11 +12,21 @@ import asyncio
 import gzip
 import json
 import logging
+import threading
+import time
 import zlib
 
 import pytest
 
-from tests.security.test_slow_clients import exchange, served, tenant_key  # noqa: F401 - fixture
+from gateway import slow_clients
+from gateway.content_encoding import MAX_GZIP_MEMBERS, decode_body
+from gateway.errors import InvalidRequest
+from tests.security.test_slow_clients import (  # noqa: F401 - fixtures
+    exchange,
+    served,
+    served_small,
+    tenant_key,
+)
 
 BODY = json.dumps(
     {"model": "random-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -165,9 +176,119 @@ async def test_every_route_answers_an_unknown_expectation_with_an_openai_417(ser
     routes = {(route.method, route.resource.canonical) for route in app.router.routes()}
     assert len(routes) > 20 and any(path.startswith("/admin/v1/") for _, path in routes)
     for method, path in sorted(routes):
-        if method == "HEAD":
+        if method in ("HEAD", "*"):  # "*": route_everything's 404 and 405 (tested below)
             continue
         path = path.replace("{", "").replace("}", "")  # {tenant_id} -> tenant_id: any id will do
         request = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\n\r\n"
         answer = await exchange(served, request.encode())
         assert openai_error(answer, 417)["param"] == "Expect", (method, path)
+
+
+EMPTY_MEMBER = gzip.compress(b"", mtime=0)  # 20 bytes that decode to nothing
+
+
+async def _longest_loop_stall_s(work) -> tuple[float, object]:
+    """``await work`` while a ticker on this loop (the served gateway's too) measures its longest gap."""
+    longest_s, done = 0.0, asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal longest_s
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            longest_s, last = max(longest_s, now - last), now
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await ticking
+    return longest_s, result
+
+
+async def test_many_tiny_gzip_members_are_a_400_without_holding_the_loop(served):  # noqa: F811
+    """Review r19 #1: 2 MiB of empty members (within max_body_bytes) held the event loop ~9 s, every
+    member copying the rest of the body; now past MAX_GZIP_MEMBERS it is a 400, found in linear time."""
+    body = EMPTY_MEMBER * ((2 << 20) // len(EMPTY_MEMBER))
+    assert len(body) <= served.max_body_bytes
+    key = await tenant_key(served)
+    request = chat(key, b"Content-Encoding: gzip\r\n", body)
+    # A margin for a loaded machine: before, the stall was 9 s at load 11.
+    stall_s, answer = await _longest_loop_stall_s(exchange(served, request))
+    assert stall_s < 2.0, f"one tenant's gzip body held the event loop {stall_s:.1f} s"
+    error = openai_error(answer, 400)
+    assert error["code"] == "invalid_body" and f"more than {MAX_GZIP_MEMBERS}" in error["message"]
+
+
+def test_gzip_members_up_to_the_cap_decode():
+    message = b'{"model": "m"}'
+    members = [gzip.compress(message[i : i + 1]) for i in range(len(message))]
+    padding = [EMPTY_MEMBER] * (MAX_GZIP_MEMBERS - len(members))
+    assert decode_body(b"".join(members + padding), "gzip", 1 << 20) == message
+    with pytest.raises(InvalidRequest, match="members"):
+        decode_body(b"".join([*members, *padding, EMPTY_MEMBER]), "gzip", 1 << 20)
+
+
+async def test_no_100_continue_for_an_upload_the_reading_budget_refuses(served_small):  # noqa: F811
+    """Review r19 #2: the 100 went out once size, key and coding passed; the reading budget (503) then
+    refused the 1 MiB the client had been invited to send."""
+    hog, victim = await tenant_key(served_small, "hog"), await tenant_key(served_small, "victim")
+    _, hog_writer = await asyncio.open_connection(served_small.host, served_small.port)
+    try:  # a slow 1 MiB upload holds 1 MiB of the 1.5 MiB budget: another 1 MiB would pass it
+        hog_writer.write(head("/v1/chat/completions", hog, b"", 1 << 20) + b"{")
+        await hog_writer.drain()
+        await asyncio.sleep(0.5)
+        extra = b"Expect: 100-continue\r\n"
+        answer = await exchange(served_small, head("/v1/chat/completions", victim, extra, 1 << 20))
+    finally:
+        hog_writer.close()
+    assert openai_error(answer, 503)["code"] == "server_busy"  # at once: no 100 before it
+
+
+async def test_no_100_continue_for_a_malformed_request_id(served):  # noqa: F811
+    extra = b"Expect: 100-continue\r\nX-Request-Id: not a valid id!\r\n"
+    answer = await exchange(served, head("/v1/chat/completions", await tenant_key(served), extra, 1 << 20))
+    assert openai_error(answer, 400)["code"] == "invalid_request_id"
+
+
+UNROUTED = [b"POST /v1/no-such-route", b"PUT /v1/chat/completions", b"POST /admin/v1/nope", b"PUT /admin/v1"]
+IDS = ["404", "405", "admin_404", "admin_root"]
+
+
+@pytest.mark.parametrize("line", UNROUTED, ids=IDS)
+async def test_an_unknown_expectation_off_the_routes_is_an_openai_417(served, line):  # noqa: F811
+    """Review r19 #3: no route, or a wrong method, got aiohttp's default: a plain-text 417."""
+    answer = await exchange(
+        served, line + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\n\r\n"
+    )
+    assert openai_error(answer, 417)["param"] == "Expect"
+
+
+@pytest.mark.parametrize(
+    "line", [*UNROUTED, b"POST /healthz", b"GET /healthz"], ids=[*IDS, "healthz_post", "healthz_get"]
+)
+async def test_no_100_continue_for_a_body_that_is_never_read(served, line):  # noqa: F811
+    """Review r19 #3: no route, or a wrong method, got aiohttp's default: a 100 Continue, then the 404."""
+    request = line + b" HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 1000000\r\n\r\n"
+    answer = await exchange(served, request)  # the connection is closed: the body is never sent
+    assert answer.startswith(b"HTTP/1.1 ") and not answer.startswith(b"HTTP/1.1 100 "), answer[:300]
+    assert b"\r\nConnection: close\r\n" in answer, answer[:300]
+
+
+async def test_an_encoded_body_is_decoded_off_the_event_loop(served, monkeypatch):  # noqa: F811
+    """Inflating up to max_body_bytes takes tens of milliseconds: on the CPU pool, in the tenant's share,
+    as a large JSON body is parsed (the decoder is spied on, not replaced)."""
+    threads: list[str] = []
+
+    def spied(*args):
+        threads.append(threading.current_thread().name)
+        return decode_body(*args)
+
+    monkeypatch.setattr(slow_clients, "decode_body", spied)
+    answer = await exchange(
+        served, chat(await tenant_key(served), b"Content-Encoding: gzip\r\n", gzip.compress(BODY))
+    )
+    assert openai_error(answer, 503)  # decoded and parsed: only no worker is ready
+    assert threads and all(name.startswith("gateway-cpu") for name in threads), threads
