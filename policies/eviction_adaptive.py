@@ -27,6 +27,14 @@ to follow from the accesses it sees:
   ``switch_margin`` of the loser's hits. A switch costs (the new leader inherits a cache the old one
   filled); comparing with the real cache's own hits stops the learner from paying that again for a
   lead the real cache already has, and from flapping between experts that tie.
+- **A guard over the whole trace.** The usual rule follows leads of the last few capacities; where
+  leads reverse, every switch costs the real cache and the real cache can end below every expert. So
+  the policy also keeps undecayed paired counts, and a *target*: the better of ARC and LRU over the whole
+  trace (the policies the default must not lose to; it changes only on a significant lead). Once the
+  real cache is significantly behind the target over the whole trace (after ``guard_after_factor`` ×
+  capacity accesses, the warm-up), a leader the target beats significantly over the whole trace gives
+  way to the target, and the target, once leading, gives way only to an expert that beats it
+  significantly over the whole trace.
 - **A safe start.** The first leader is ARC, one of the two policies the default must never lose to;
   the prefix-aware order takes over where its lead is significant (Mooncake: within a few capacities).
 
@@ -68,6 +76,8 @@ class AdaptivePolicy(EvictionPolicy):
     switch_margin = 0.01  # ... and this fraction of the loser's (decayed) hits
     initial_leader = 1  # ARC: a policy the default is measured against
     max_shadow_blocks = 8192  # shadows of larger caches sample ids (one in capacity / this)
+    guard_after_factor = 16.0  # the whole-trace guard starts after this many capacities of accesses
+    GUARD_EXPERTS = (1, 2)  # ARC and LRU: the guard's target is the better of these over the whole trace
 
     def __init__(self, capacity_blocks: int) -> None:
         super().__init__(capacity_blocks)
@@ -88,6 +98,11 @@ class AdaptivePolicy(EvictionPolicy):
         # and, last, the real cache. Counts are kept in units of 1 / _weight so decay costs nothing.
         self._wins = [[0.0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
         self._weight = 1.0
+        # _totals[i][j]: the same count over the whole trace (no decay), for the guard
+        self._totals = [[0] * (len(_EXPERTS) + 1) for _ in range(len(_EXPERTS) + 1)]
+        self._accesses = 0  # accesses the shadows saw
+        self._guard_after = self.guard_after_factor * shadow_capacity
+        self.target = self.initial_leader  # the guard's: the better of ARC and LRU over the whole trace
         # _outside.lists[i]: real resident blocks shadow i does not hold, in the order it dropped them (the
         # real cache evicts the leader's first); unused with sampled shadows, which see no whole cache.
         self._outside = OutsideLists(len(_EXPERTS))
@@ -136,6 +151,7 @@ class AdaptivePolicy(EvictionPolicy):
         if self.sample_rate > 1:
             known = [block_id for block_id in known if not self._skips(block_id)]
         metas = [meta_of[block_id] for block_id in known]
+        self._accesses += len(known)
         # A shadow that holds the whole prompt (most do, most of the time) replays it in bulk; its prompt
         # walk depends only on where the shadow's previous access left it, so it is shared.
         known_set, walk, walk_start = set(known), None, None
@@ -224,6 +240,7 @@ class AdaptivePolicy(EvictionPolicy):
         """One access of the stream: every shadow replays it, then the leader may change."""
         if self.sample_rate > 1 and self._skips(block_id):
             return
+        self._accesses += 1
         prefix, arc, lru = self._shadows
         hits = (
             prefix.access(block_id, meta, now),
@@ -269,12 +286,15 @@ class AdaptivePolicy(EvictionPolicy):
                 self._rescale()
             return
         hits = (prefix_hit, arc_hit, lru_hit, hit)
+        totals = self._totals
         for i, hit_i in enumerate(hits):
             if hit_i:
-                row = wins[i]
+                row, total_row = wins[i], totals[i]
                 for j, hit_j in enumerate(hits):
                     if i == j or not hit_j:  # the diagonal counts the arm's own hits
                         row[j] += weight
+                        if i != j:
+                            total_row[j] += 1
         if weight > _RESCALE_AT:
             self._rescale()
         self.leader = self._next_leader()
@@ -302,6 +322,33 @@ class AdaptivePolicy(EvictionPolicy):
         self._weight = weight
 
     def _next_leader(self) -> int:
+        """The usual rule's leader, unless the guard over the whole trace says otherwise."""
+        usual = self._usual_leader()
+        if self._accesses < self._guard_after:
+            return usual
+        target = self._guard_target()
+        if not self._proven(target, self.REAL_ARM):  # the real cache is not behind the target
+            return usual
+        leader = self.leader
+        if leader == target:  # stay, unless another expert beats the target over the whole trace
+            return usual if usual != target and self._proven(usual, target) else target
+        return target if self._proven(target, leader) else usual
+
+    def _guard_target(self) -> int:
+        """The better of ARC and LRU over the whole trace: the other takes over on a significant lead."""
+        target = self.target
+        for i in self.GUARD_EXPERTS:
+            if i != target and self._proven(i, target):
+                self.target = i
+        return self.target
+
+    def _proven(self, i: int, j: int) -> bool:
+        """McNemar's test (``switch_z``) on the whole trace's accesses where one of arms i and j hit."""
+        wins, losses = self._totals[i][j], self._totals[j][i]
+        lead = wins - losses
+        return lead > 0 and lead * lead > self.switch_z**2 * (wins + losses)
+
+    def _usual_leader(self) -> int:
         """The expert whose shadow beats both the leader's shadow and the real cache by the most."""
         wins, leader, real = self._wins, self.leader, len(self._shadows)
         best, best_lead = leader, 0.0

@@ -150,3 +150,44 @@ def test_after_a_switch_the_real_cache_first_drops_what_the_new_leaders_shadow_d
     replay(part.requests, policy, 60, on_request=switch_halfway)
     assert sum(dropped for _, dropped in policy.evictions) > 20  # the case occurs, often
     assert not [e for e in policy.evictions if e == (True, True)]
+
+
+PREFIX, ARC, LRU, REAL = 0, 1, 2, AdaptivePolicy.REAL_ARM
+
+
+def _guarded(leader: int, *, lru_over_real: int, prefix_over_lru: int, accesses: int = 10_000):
+    """A policy whose usual rule (decayed counts) would now switch from ``leader`` to the prefix expert, with
+    whole-trace counts where LRU beats ARC and the real cache by ``lru_over_real`` hits (of 600 discordant
+    accesses), and the prefix shadow beats LRU's by ``prefix_over_lru`` (of 2 000)."""
+    policy = AdaptivePolicy(100)  # the guard starts after 16 × 100 accesses
+    policy.leader = leader
+    for arm in range(4):
+        policy._wins[arm][arm] = 1000.0
+    for arm in {leader, REAL} - {PREFIX}:
+        policy._wins[PREFIX][arm], policy._wins[arm][PREFIX] = 100.0, 10.0
+    totals = policy._totals
+    totals[LRU][ARC], totals[ARC][LRU] = 400, 200
+    totals[LRU][REAL], totals[REAL][LRU] = (600 + lru_over_real) // 2, (600 - lru_over_real) // 2
+    totals[PREFIX][LRU], totals[LRU][PREFIX] = (2000 + prefix_over_lru) // 2, (2000 - prefix_over_lru) // 2
+    policy._accesses = accesses
+    return policy
+
+
+def test_the_guard_keeps_the_target_while_the_real_cache_is_behind_it():
+    # On the whole trace LRU beats ARC (it is the target) and the real cache (200 of 600: z ≈ 8); the prefix
+    # expert's recent lead is within noise of LRU over the whole trace (50 of 2 000): no switch.
+    assert _guarded(LRU, lru_over_real=200, prefix_over_lru=50)._next_leader() == LRU
+    # Without the real cache's deficit, before the warm-up, or against an expert that beats the target
+    # over the whole trace (300 of 2 000: z ≈ 6.7), the usual rule decides.
+    assert _guarded(LRU, lru_over_real=0, prefix_over_lru=50)._next_leader() == PREFIX
+    assert _guarded(LRU, lru_over_real=200, prefix_over_lru=50, accesses=1_000)._next_leader() == PREFIX
+    assert _guarded(LRU, lru_over_real=200, prefix_over_lru=300)._next_leader() == PREFIX
+
+
+def test_the_guard_sends_a_leader_the_target_beats_over_the_whole_trace_to_the_target():
+    # LRU beats the prefix expert over the whole trace (300 of 2 000) and the real cache: the guard leaves
+    # prefix, which the usual rule would keep.
+    policy = _guarded(PREFIX, lru_over_real=200, prefix_over_lru=-300)
+    assert policy._usual_leader() == PREFIX
+    assert policy._next_leader() == LRU
+    assert policy.target == LRU
