@@ -202,9 +202,17 @@ async def one(session: aiohttp.ClientSession, base: str, key: str, prompt: list[
 
 
 async def run_policy(
-    kind: str, name: str, urls: list[str], requests: list[Request], args, tmp: Path, progress
+    kind: str,
+    name: str,
+    urls: list[str],
+    requests: list[Request],
+    args,
+    tmp: Path,
+    progress,
+    settings: dict | None = None,
 ) -> dict:
-    settings = POLICIES[name]
+    """One policy's pass; ``settings`` (default ``POLICIES[name]``) lets another bench name its own."""
+    settings = POLICIES[name] if settings is None else settings
     runner, base = await start_gateway(urls, tmp, settings)
     app = runner.app
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
