@@ -7,16 +7,18 @@
 
 ``bench.routing``'s 3 workers and in-process gateway (fresh tenants and purged caches per pass), its
 workloads ``near_duplicate`` (templates with 2 per-request fields at drawn block positions, bursts of
-4–8) and ``near_duplicate_early`` (the first field in block 1–3: the siblings the cold route scatters,
-which only near miss can bring together). Policies, in turn within each (workload, seed, pass), the
-order rotated from pass to pass. ``--family kv_aware`` (default): ``kv_aware``, ``kv_aware+near_miss``
-(the default near miss: the namespace's latest prompts by tokens) and ``kv_aware+near_miss+faiss``
-(FAISS too, bound 15 ms). ``--family no_index``: the deployments without a live KV-event index, where
-the router is blind to where a similar prompt went: ``consistent_hash`` (rendezvous over the first 4
-blocks) and ``least_loaded``, each alone and + near miss (latest prompts by tokens). ``--family
-no_index_moves``: ``least_loaded`` alone, + near miss, and + near miss ``@cost``: the move rule without
-its in-flight condition (a request may move only to a worker with no more requests in flight than its
-exact route's; patched in this process, bench only), to show what that condition costs in reuse.
+4–8) and ``near_duplicate_early`` (the first field in block 1–3: the siblings the cold route
+scatters, which only near miss can bring together); ``--workloads near_duplicate_late`` (both fields
+in the template's last 2 blocks: siblings share a long prefix). Policies, in turn within each
+(workload, seed, pass), the order rotated from pass to pass. ``--family kv_aware`` (default):
+``kv_aware``, ``kv_aware+near_miss`` (the default near miss: the namespace's latest prompts by
+tokens) and ``kv_aware+near_miss+faiss`` (FAISS too, bound 15 ms). ``--family no_index``: the
+deployments without a live KV-event index, where the router is blind to where a similar prompt went:
+``consistent_hash`` (rendezvous over the first 4 blocks) and ``least_loaded``, each alone and + near
+miss (latest prompts by tokens). ``--family no_index_moves``: ``least_loaded`` alone, + near miss,
+and + near miss ``@cost``: the move rule without its in-flight condition (a request may move only to
+a worker with no more requests in flight than its exact route's; patched in this process, bench
+only), to show what that condition costs in reuse.
 
 Per policy, pooled over passes: prompt tokens reused (cached tokens the workers reported), the hit
 ratio, near-miss tokens (reuse beyond the exact index's prediction on moved requests: without an index,
@@ -147,8 +149,8 @@ async def run_passes(args, policies: dict[str, dict]) -> tuple[dict, dict]:
     worth_moving = NearMissRouting._worth_moving
     num = 150 if args.quick else args.requests
     names = tuple(policies)
-    rows = {kind: {name: [] for name in names} for kind in WORKLOADS}
-    checks: dict[str, dict[int, dict]] = {kind: {} for kind in WORKLOADS}
+    rows = {kind: {name: [] for name in names} for kind in args.workloads}
+    checks: dict[str, dict[int, dict]] = {kind: {} for kind in args.workloads}
     with tempfile.TemporaryDirectory() as tmp_name, Progress() as progress:
         tmp = Path(tmp_name)
         await asyncio.to_thread(upgrade_database, GatewayConfig(data_dir=tmp).resolved_database_url)
@@ -156,7 +158,7 @@ async def run_passes(args, policies: dict[str, dict]) -> tuple[dict, dict]:
             turn = 0
             for rep in range(args.repeats):
                 for seed in args.seeds:
-                    for kind in WORKLOADS:
+                    for kind in args.workloads:
                         requests = routing_bench.workload(
                             kind, num, seed, prompts_per_tenant=args.prompts_per_tenant
                         )
@@ -212,6 +214,7 @@ def noise(passes: list[dict]) -> int:
 
 
 def plot(summary: dict, names: tuple[str, ...], path: Path) -> None:
+    workloads = tuple(summary)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,13 +223,13 @@ def plot(summary: dict, names: tuple[str, ...], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(WORKLOADS))]
-        axes[0].bar(xs, [summary[kind][name]["reused_tokens"] for kind in WORKLOADS], width, label=name)
-        axes[1].bar(xs, [summary[kind][name]["near_miss_tokens"] for kind in WORKLOADS], width, label=name)
-        axes[2].bar(xs, [summary[kind][name]["ttft_p50_ms"] for kind in WORKLOADS], width, label=name)
+        xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(workloads))]
+        axes[0].bar(xs, [summary[kind][name]["reused_tokens"] for kind in workloads], width, label=name)
+        axes[1].bar(xs, [summary[kind][name]["near_miss_tokens"] for kind in workloads], width, label=name)
+        axes[2].bar(xs, [summary[kind][name]["ttft_p50_ms"] for kind in workloads], width, label=name)
     titles = ("prompt tokens reused (pooled)", "near-miss tokens (pooled)", "TTFT p50 ms (pooled)")
     for ax, title in zip(axes, titles, strict=True):
-        ax.set_xticks(range(len(WORKLOADS)), WORKLOADS)
+        ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -238,6 +241,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--family", choices=tuple(FAMILIES), default="kv_aware")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=(*WORKLOADS, "near_duplicate_late"), default=WORKLOADS
+    )
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=256)
