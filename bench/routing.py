@@ -23,6 +23,8 @@ Workloads (token-id prompts through ``/v1/completions``, streamed, ``max_tokens`
   falls inside the router's 4-block affinity window scatter under the cold hash;
 - ``near_duplicate_early`` (``bench.near_miss_gain`` only): the same, with every template's first field
   in block 1–3, inside that window: the siblings that only near miss can bring together.
+- ``near_duplicate_late`` (``bench.near_miss_gain`` only): the same, with both fields in the template's
+  last 2 blocks: siblings share all but the tail (a long document, then a per-request line).
 
 Closed loop with ``--concurrency`` clients. Hit ratio = cached prompt tokens / prompt tokens; goodput =
 requests per second whose TTFT met ``--slo-ms``; process CPU per request = this process's CPU time
@@ -119,6 +121,8 @@ def workload(kind: str, num_requests: int, seed: int, num_tenants: int = 6, prom
     if kind == "near_duplicate_early":  # the first field inside the cold route's 4-block affinity window
         early_rng = random.Random(seed + 2)
         fields = [[[early_rng.randint(1, 3), f[1] if f[1] > 3 else 4] for f in by] for by in fields]
+    if kind == "near_duplicate_late":  # both fields in the template's last 2 blocks: a long shared prefix
+        fields = [[[len(s) // BLOCK - 2, len(s) // BLOCK - 1] for s in by_tenant] for by_tenant in systems]
     near_duplicate = kind.startswith("near_duplicate")
     requests: list[Request] = []
     while len(requests) < num_requests:
@@ -202,9 +206,17 @@ async def one(session: aiohttp.ClientSession, base: str, key: str, prompt: list[
 
 
 async def run_policy(
-    kind: str, name: str, urls: list[str], requests: list[Request], args, tmp: Path, progress
+    kind: str,
+    name: str,
+    urls: list[str],
+    requests: list[Request],
+    args,
+    tmp: Path,
+    progress,
+    settings: dict | None = None,
 ) -> dict:
-    settings = POLICIES[name]
+    """One policy's pass; ``settings`` (default ``POLICIES[name]``) lets another bench name its own."""
+    settings = POLICIES[name] if settings is None else settings
     runner, base = await start_gateway(urls, tmp, settings)
     app = runner.app
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
