@@ -18,7 +18,7 @@ from gateway.errors import (
     NotFoundError,
     PermissionDenied,
 )
-from gateway.expect import expect_continue, route_everything
+from gateway.expect import expect_continue, is_unrouted, route_everything
 from gateway.namespace_secret import namespace_secret_status, rotate_namespace_secret
 from gateway.schemas import read_json
 from gateway.slow_clients import request_body
@@ -60,8 +60,9 @@ _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 def _check_path_and_query(request: web.Request) -> None:
     """Malformed ids are unknown ids (404) and control characters in a query value a 400, before any
-    database sees them (PostgreSQL refuses NUL in text: that was a 500)."""
-    for name, value in request.match_info.items():
+    database sees them (PostgreSQL refuses NUL in text: that was a 500). A path no route takes holds
+    no id (the catch-all's ``tail`` is not one): it is answered "no route", as everywhere else (r22)."""
+    for name, value in () if is_unrouted(request) else request.match_info.items():
         if not _ID.fullmatch(value):
             raise NotFoundError(
                 f"no {name.removesuffix('_id').replace('_', ' ')} with that id", code="not_found"

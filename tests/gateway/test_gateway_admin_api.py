@@ -202,3 +202,11 @@ async def test_cli_talks_to_admin_api(client, capsys, monkeypatch):
     monkeypatch.setenv("PREFIXGATE_ADMIN_TOKEN", "wrong")
     code, _, err = await run_cli(capsys, "tenant", "list")
     assert code == 1 and "401" in err
+
+
+@pytest.mark.parametrize("path", ["/admin/v1/", "/admin/v1/tenants/", "/admin/v1/no/such/route"])
+async def test_an_unknown_admin_path_is_no_route_not_an_unknown_id(client, path):
+    """r22: the admin catch-all's ``{tail}`` went through the id check: "no tail with that id"."""
+    answer = await client.get(path, headers=ADMIN)
+    assert answer.status == 404
+    assert (await answer.json())["error"]["message"] == f"no route for GET {path}"
