@@ -78,7 +78,8 @@ async def test_tokens_per_minute_counts_every_choice(aiohttp_client, sqlite_url,
 async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, worker_url):
     client = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,))))
     key = await new_tenant(client, rate_limit_tpm=200)
-    status, headers, body = await post(client, key, chat(max_tokens=60))
+    # ignore_eos: each answer takes its max_tokens, so the window (settled to what was used) keeps them.
+    status, headers, body = await post(client, key, chat(max_tokens=60, ignore_eos=True))
     assert status == 200, body
     prompt_tokens = body["usage"]["prompt_tokens"]
     left = 200 - prompt_tokens - 60  # prompt + max_tokens are counted
@@ -89,7 +90,7 @@ async def test_tokens_per_minute_limit(aiohttp_client, sqlite_url, tmp_path, wor
     assert int(headers["Retry-After"]) >= 1 and headers["x-ratelimit-remaining-tokens"] == "0"
     status, _, body = await post(client, key, chat(max_tokens=500))
     assert status == 429 and body["error"]["code"] == "tokens_exceeded"  # can never fit
-    status, headers, _ = await post(client, key, chat(max_tokens=left - prompt_tokens))
+    status, headers, _ = await post(client, key, chat(max_tokens=left - prompt_tokens, ignore_eos=True))
     assert status == 200 and headers["x-ratelimit-remaining-tokens"] == "0"  # what was left still serves
     metrics = await (await client.get("/metrics", headers=ADMIN)).text()
     counted = [line for line in metrics.splitlines() if line.startswith("prefixgate_prompt_tokens_total{")]
@@ -291,8 +292,8 @@ async def test_token_limit_is_shared_by_replicas_through_redis(aiohttp_client, p
     await replicas[1].app[POLICY_CACHE].reload()
     if time.time() % WINDOW_S > WINDOW_S - 3:  # keep the requests inside one fixed window
         await asyncio.sleep(WINDOW_S - time.time() % WINDOW_S)
-    first = await post(replicas[0], key, chat(max_tokens=70))
-    second = await post(replicas[1], key, chat(max_tokens=70))
+    first = await post(replicas[0], key, chat(max_tokens=70, ignore_eos=True))  # uses all 70: kept
+    second = await post(replicas[1], key, chat(max_tokens=70, ignore_eos=True))
     assert first[0] == 200 and second[0] == 429, (first, second)  # 2 x (prompt + 70) > 150 together
     assert second[1]["x-ratelimit-limit-tokens"] == "150"
 

@@ -99,13 +99,13 @@ def test_a_reload_visits_only_the_tenants_that_left(monkeypatch):
 
 
 async def test_a_deleted_tenants_request_in_flight_does_not_bring_its_series_back(
-    aiohttp_client, sqlite_url, tmp_path
+    aiohttp_client, sqlite_url, tmp_path, worker_url
 ):
     with hung_server() as hung:
         held = OpenAIUpstreamConfig(name="held", urls=(hung,), models=(("held", "m"),), probe_interval_s=0)
-        gateway = await aiohttp_client(
-            create_app(make_config(sqlite_url, tmp_path, openai_upstreams=(held,)))
-        )
+        # A live worker: the delete purges the tenant's own namespace on it (a dead one would be a 502).
+        config = make_config(sqlite_url, tmp_path, worker_urls=(worker_url,), openai_upstreams=(held,))
+        gateway = await aiohttp_client(create_app(config))
         tenant = await create_tenant(gateway, name="leaving", isolation="shared")
         sdk = AsyncOpenAI(base_url=str(gateway.make_url("/v1")), api_key=tenant["api_key"], max_retries=0)
         with contextlib.suppress(openai.APIStatusError):  # one finished call (503): the tenant has series

@@ -32,7 +32,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, TenantCounter
 from worker import metrics as worker_metrics
 from worker.output import SOURCES
 
@@ -77,6 +77,7 @@ def exported() -> tuple[dict[str, set[str]], dict[tuple[str, str], set[str]]]:
     """(series name -> label names, (series, label) -> known label values) of both /metrics endpoints."""
     gateway = GatewayMetrics()
     for value in vars(gateway).values():
+        value = value.counter if isinstance(value, TenantCounter) else value  # per-tenant: the counter
         if isinstance(value, MetricWrapperBase) and value._labelnames:
             child = value.labels(*["x"] * len(value._labelnames))
             if hasattr(child, "observe"):
