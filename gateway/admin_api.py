@@ -179,6 +179,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
     policy, _ = await repository.get_tenant(tenant_id)  # 404 for an unknown tenant
     if policy.isolation == "shared" and request.query.get("shared_cache") != "keep":
         raise admin_cache.shared_cache_conflict(tenant_id, "; or delete with ?shared_cache=keep.")
+    await admin_cache.fence_tenant(request, tenant_id)  # no replica serves or caches for it any more
     _, result, failure = await admin_cache.erase_tenant_cache(request, tenant_id)
     if failure is not None:
         return failure

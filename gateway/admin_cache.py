@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -79,6 +80,17 @@ async def tenant_namespace_ids(request: web.Request, tenant_id: str) -> list[str
     on_record = await NamespaceSecretRepository(request.config_dict[SESSIONMAKER]).all_epochs()
     salts = [request.config_dict[CONFIG].salt_bytes, *(row.secret.encode() for row in on_record)]
     return list(dict.fromkeys(tenant_namespace_id(salt, tenant_id) for salt in salts))
+
+
+async def fence_tenant(request: web.Request, tenant_id: str) -> None:
+    """Before a delete's purge: revoke the tenant's keys (this replica refuses it at once, every other one
+    from its next policy poll), then wait ``delete_fence_s`` for those polls, so that the purge also
+    reaches what another replica cached for the tenant until then (review r22). The wait is bounded
+    (``delete_fence_max_s``): a replica polling less often than that may still cache after the purge."""
+    config = request.config_dict[CONFIG]
+    await request.config_dict[REPOSITORY].fence_tenant(tenant_id)
+    await request.config_dict[POLICY_CACHE].reload()
+    await asyncio.sleep(config.delete_fence_s)
 
 
 async def erase_tenant_cache(

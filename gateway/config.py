@@ -171,6 +171,9 @@ class GatewayConfig:
     promotion_pause_s: float = 5.0  # promotion pauses this long after a counter (Redis) error
     ratelimit_pause_s: float = 5.0  # Redis rate limits pause (local limits) this long after an error
     purge_timeout_s: float = 120.0  # per worker, for POST /admin/v1/tenants/{id}/purge
+    # A delete fences the tenant (keys revoked), waits for the other replicas' policy polls, then purges:
+    # min(2 × policy_refresh_s + 0.5, delete_fence_max_s) seconds (docs/security.md).
+    delete_fence_max_s: float = 10.0  # below the CLI's 30 s admin timeout
     worker_secret: str | None = field(default=None, repr=False)  # bearer for the workers' API (worker.auth)
     metrics_token: str | None = field(default=None, repr=False)  # bearer for /metrics (None: admin token)
     metrics_tenant_labels: str = "id"  # "id" or "hash" (the tenant's opaque namespace id)
@@ -180,6 +183,12 @@ class GatewayConfig:
         PromotionPolicy(
             min_hits_per_hour=self.promotion_min_hits, min_tenants=self.promotion_min_tenants
         ).check_threshold()
+
+    @property
+    def delete_fence_s(self) -> float:
+        """How long a delete waits between fencing the tenant and purging: two of every replica's policy
+        polls (replicas share this config) plus a reload, bounded by ``delete_fence_max_s``."""
+        return max(0.0, min(2 * self.policy_refresh_s + 0.5, self.delete_fence_max_s))
 
     @property
     def resolved_database_url(self) -> str:

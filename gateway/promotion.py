@@ -191,8 +191,14 @@ class HotPrefixPromotion:
         known = _Either(self._cache.known_hashes, self._pending)
         now = self._clock()
         try:
+            # Candidates on every counted hit (a superset), then decided on the live tenants alone.
             promotions = await observe(self.counter, self.policy, prefixes, tag, now, known=known)
-            contributors = [await self.counter.contributors(p.prefix_hash, now) for p in promotions]
+            live = self._opted_in_tags() if promotions else frozenset()
+            cap = self.policy.max_hits_per_tenant_per_hour
+            counted = [
+                await self.counter.counted(p.prefix_hash, now, among=live, max_hits_per_tenant_per_hour=cap)
+                for p in promotions
+            ]
         except Exception as exc:  # Redis down or slow: promotion pauses, requests go on
             self._metrics.promotion_errors.inc()
             if not self.paused:
@@ -201,15 +207,17 @@ class HotPrefixPromotion:
                 )
             self._paused_until = time.monotonic() + self._pause_s
             return
-        live = self._opted_in_tags() if promotions else frozenset()
-        for promotion, tags in zip(promotions, contributors, strict=True):
-            # The counters keep a tenant's tag for the window; only tenants opted in *now* make up k
-            # (review r17 D6: one that opted out or was deleted must not complete a promotion).
-            tags = tags & live
-            if len(tags) < self.policy.min_tenants:
+        for promotion, (stats, tags) in zip(promotions, counted, strict=True):
+            # The counters keep a tenant's tag and hits for the window; only tenants opted in *now* make
+            # up k and the hits (review r17 D6, r22: one that opted out or was deleted must not complete
+            # a promotion), and the stored figures are theirs.
+            if not self.policy.should_promote(stats):
                 continue
             self._contributors[promotion.prefix_hash] = tags
-            self._promote(dataclasses.replace(promotion, num_tenants=len(tags)), model, token_ids)
+            live_promotion = dataclasses.replace(
+                promotion, hits_per_hour=int(stats.hits_per_hour), num_tenants=stats.num_tenants
+            )
+            self._promote(live_promotion, model, token_ids)
 
     def _opted_in_tags(self) -> frozenset[TenantTag]:
         """Tags of the tenants in the policy snapshot that have hot-prefix access at this moment."""

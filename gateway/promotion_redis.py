@@ -20,7 +20,7 @@ gateway pauses promotion and serves the request as usual).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import blake3
 
@@ -151,10 +151,34 @@ class RedisPromotionCounter:
         cap = hits_cap(max_hits_per_tenant_per_hour, self.num_buckets * self.bucket_s)
         return await self._run(prefix_hashes, tenant_tag, now, cap)
 
-    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+    async def counted(
+        self,
+        prefix_hash: PrefixHash,
+        now: float,
+        *,
+        among: Container[TenantTag],
+        max_hits_per_tenant_per_hour: float | None = None,
+    ) -> tuple[PrefixStats, frozenset[TenantTag]]:
         oldest = int(now // self.bucket_s) - self.num_buckets
-        tags = await self._redis.zrangebyscore(self.keys(prefix_hash)[1], f"({oldest}", "+inf")
-        return frozenset(TenantTag(t.decode() if isinstance(t, bytes) else t) for t in tags)
+        hits_key, tenants_key = self.keys(prefix_hash)
+        async with self._redis.pipeline(transaction=True) as pipe:  # one consistent read of both keys
+            pipe.zrangebyscore(tenants_key, f"({oldest}", "+inf")
+            pipe.hgetall(hits_key)
+            tags, fields = await pipe.execute()
+        per_tenant = {TenantTag(t): 0 for t in map(_text, tags) if TenantTag(t) in among}
+        for field, hits in fields.items():
+            tag, _, bucket = _text(field).rpartition("|")
+            if tag in per_tenant and int(bucket) > oldest:
+                per_tenant[TenantTag(tag)] += int(hits)
+        window_s = self.num_buckets * self.bucket_s
+        cap = hits_cap(max_hits_per_tenant_per_hour, window_s)
+        stats = PrefixStats(
+            prefix_hash=prefix_hash,
+            hits=sum(n if cap is None else min(n, cap) for n in per_tenant.values()),
+            num_tenants=len(per_tenant),
+            window_s=window_s,
+        )
+        return stats, frozenset(per_tenant)
 
     async def stats(self, prefix_hashes: Sequence[PrefixHash], now: float) -> list[PrefixStats]:
         return await self._run(prefix_hashes, "", now)
@@ -164,3 +188,7 @@ class RedisPromotionCounter:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

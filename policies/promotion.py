@@ -225,9 +225,16 @@ class PromotionCounter(Protocol):
         """Count one hit from ``tenant_tag`` on each prefix; return their (capped) stats after it."""
         ...
 
-    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
-        """The opaque tags of the tenants counted for a prefix in the window (to decide who may be told
-        of its promotion; never shown to anyone)."""
+    async def counted(
+        self,
+        prefix_hash: PrefixHash,
+        now: float,
+        *,
+        among: Container[TenantTag],
+        max_hits_per_tenant_per_hour: float | None = None,
+    ) -> tuple[PrefixStats, frozenset[TenantTag]]:
+        """A prefix's (capped) stats in the window counting only the tenants in ``among`` (those still
+        opted in), and their opaque tags (to decide who may be told of its promotion; never shown)."""
         ...
 
     async def forget(self, prefix_hash: PrefixHash) -> None:
@@ -335,7 +342,7 @@ class SlidingWindowCounter:
             del tenants[min(tenants, key=lambda t: (max(tenants[t]), t))]
         buckets = tenants.setdefault(tenant_tag, {})
         buckets[bucket] = buckets.get(bucket, 0) + 1
-        return self._stats(prefix_hash, counts, max_hits_per_tenant)
+        return self._stats(prefix_hash, counts.tenant_bucket_hits.values(), max_hits_per_tenant)
 
     def stats(
         self, prefix_hash: PrefixHash, now: float, *, max_hits_per_tenant: int | None = None
@@ -345,14 +352,23 @@ class SlidingWindowCounter:
         if counts is None:
             return PrefixStats(prefix_hash=prefix_hash, hits=0, num_tenants=0, window_s=self.window_s)
         self._expire(counts, self._bucket(now))
-        return self._stats(prefix_hash, counts, max_hits_per_tenant)
+        return self._stats(prefix_hash, counts.tenant_bucket_hits.values(), max_hits_per_tenant)
 
-    def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
+    def counted(
+        self,
+        prefix_hash: PrefixHash,
+        now: float,
+        *,
+        among: Container[TenantTag],
+        max_hits_per_tenant: int | None = None,
+    ) -> tuple[PrefixStats, frozenset[TenantTag]]:
+        """Stats at ``now`` of the tenants in ``among`` only, and their tags (no hit counted)."""
         counts = self._counts.get(prefix_hash)
         if counts is None:
-            return frozenset()
+            return self._stats(prefix_hash, [], max_hits_per_tenant), frozenset()
         self._expire(counts, self._bucket(now))
-        return frozenset(TenantTag(tag) for tag in counts.tenant_bucket_hits)
+        kept = {tag: b for tag, b in counts.tenant_bucket_hits.items() if TenantTag(tag) in among}
+        return self._stats(prefix_hash, kept.values(), max_hits_per_tenant), frozenset(map(TenantTag, kept))
 
     def forget(self, prefix_hash: PrefixHash) -> None:
         self._counts.pop(prefix_hash, None)
@@ -370,8 +386,10 @@ class SlidingWindowCounter:
             if not buckets:
                 del tenants[tag]
 
-    def _stats(self, prefix_hash: PrefixHash, counts: _Counts, cap: int | None) -> PrefixStats:
-        per_tenant = [sum(buckets.values()) for buckets in counts.tenant_bucket_hits.values()]
+    def _stats(
+        self, prefix_hash: PrefixHash, tenants: Iterable[dict[int, int]], cap: int | None
+    ) -> PrefixStats:
+        per_tenant = [sum(buckets.values()) for buckets in tenants]
         return PrefixStats(
             prefix_hash=prefix_hash,
             hits=sum(n if cap is None else min(n, cap) for n in per_tenant),
@@ -401,8 +419,16 @@ class InMemoryPromotionCounter:
     async def stats(self, prefix_hashes: Sequence[PrefixHash], now: float) -> list[PrefixStats]:
         return [self.window.stats(h, now) for h in prefix_hashes]
 
-    async def contributors(self, prefix_hash: PrefixHash, now: float) -> frozenset[TenantTag]:
-        return self.window.contributors(prefix_hash, now)
+    async def counted(
+        self,
+        prefix_hash: PrefixHash,
+        now: float,
+        *,
+        among: Container[TenantTag],
+        max_hits_per_tenant_per_hour: float | None = None,
+    ) -> tuple[PrefixStats, frozenset[TenantTag]]:
+        cap = hits_cap(max_hits_per_tenant_per_hour, self.window.num_buckets * self.window.bucket_s)
+        return self.window.counted(prefix_hash, now, among=among, max_hits_per_tenant=cap)
 
     async def forget(self, prefix_hash: PrefixHash) -> None:
         self.window.forget(prefix_hash)

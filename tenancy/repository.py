@@ -177,6 +177,24 @@ class TenantRepository:
             await session.commit()
         return TenantPolicy.from_row(row)
 
+    async def fence_tenant(self, tenant_id: str) -> int:
+        """Before a delete: revoke every live key of the tenant and take it out of hot-prefix sharing, so
+        that every replica refuses it (401) from its next policy poll, while its row (and so its
+        namespace ids, and a retried delete) stays. Returns the number of keys revoked."""
+        async with self._sessionmaker() as session:
+            row = await self._lock_tenant(session, tenant_id)
+            now = _now()
+            revoked = await session.execute(
+                update(ApiKey)
+                .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+                .values(revoked_at=now)
+            )
+            row.share_hot_prefixes = False
+            row.updated_at = now
+            await self._audit(session, "tenant.delete_fence", tenant_id, {"keys_revoked": revoked.rowcount})
+            await session.commit()
+            return int(revoked.rowcount or 0)
+
     async def delete_tenant(self, tenant_id: str) -> None:
         async with self._sessionmaker() as session:
             row = await self._lock_tenant(session, tenant_id)

@@ -74,6 +74,7 @@ async def test_tenant_lifecycle(gateway):
         "tenant.delete",
         "tenant.purge",
         "tenant.invalidate",
+        "tenant.delete_fence",  # keys revoked: other replicas refuse it before the purge (review r22)
         "tenant.update",
         "tenant.create",
     ]

@@ -73,3 +73,12 @@ def test_a_promotion_threshold_k_minus_1_tenants_make_alone_is_refused(min_hits,
     with pytest.raises(ValueError, match="too low"):
         PromotionPolicy.from_env(env)
     assert load_config(env={**env, "PREFIXGATE_PROMOTION_MIN_HITS": "1000"}).promotion_min_hits == 1000
+
+
+def test_a_delete_waits_two_policy_polls_and_no_longer_than_its_bound(tmp_path: Path):
+    """Review r22: the delete's fence covers every replica's next policy poll, within a bound."""
+    assert load_config(env={}, overrides={"data_dir": tmp_path}).delete_fence_s == 1.5
+    slow = load_config(env={"PREFIXGATE_POLICY_REFRESH_S": "30"}, overrides={"data_dir": tmp_path})
+    assert slow.delete_fence_s == 10.0
+    env = {"PREFIXGATE_POLICY_REFRESH_S": "30", "PREFIXGATE_DELETE_FENCE_MAX_S": "90"}
+    assert load_config(env=env, overrides={"data_dir": tmp_path}).delete_fence_s == 60.5

@@ -54,6 +54,12 @@ async def test_redis_counter_matches_the_in_memory_counter(redis_url):
             tag = TenantTag(f"t-{rng.randint(0, 5)}")
             assert await redis_counter.record(hashes, tag, now) == await memory.record(hashes, tag, now)
             assert await redis_counter.stats(prefixes, now) == await memory.stats(prefixes, now)
+            # Review r22: the stats of the tenants still opted in only, capped, agree too.
+            among = frozenset(TenantTag(f"t-{i}") for i in rng.sample(range(6), rng.randint(0, 6)))
+            for h in hashes:
+                ours = await redis_counter.counted(h, now, among=among, max_hits_per_tenant_per_hour=2.0)
+                assert ours == await memory.counted(h, now, among=among, max_hits_per_tenant_per_hour=2.0)
+                assert ours[1] <= among and ours[0].num_tenants == len(ours[1])
         stats = await redis_counter.stats(prefixes, now)
         assert any(s.hits > 0 for s in stats) and max(s.num_tenants for s in stats) <= 3
         await redis_counter.forget(prefixes[0])
