@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from worker.block_manager import BlockManager
+from worker.protocol import BadRequest, parse_namespace_id
 
 log = logging.getLogger("prefixgate.worker.reservations")
 FILE_NAME = "~reservations.json"  # "~": never a namespace's directory name (tiers.disk._safe_dirname)
+MAX_SAVED_BLOCKS = 2**53  # a request beyond any L1 (``ask`` saves at most the L1's blocks)
 SAVE_EVERY_S = 30.0  # how stale the saved "last asked" times may get (a crash loses at most this much)
 
 
@@ -47,6 +50,8 @@ class ReservationKeeper:
 
     def ask(self, namespace_id: str, num_blocks: int) -> None:
         """A request's segment asks for ``num_blocks`` (0: its owner is not dedicated, or not any more)."""
+        # More than L1 holds is granted no more than L1 (a share never exceeds it): saved within bounds.
+        num_blocks = min(num_blocks, self.block_manager.num_blocks)
         before = self.block_manager.requested_blocks.get(namespace_id, 0)
         self.block_manager.set_reservation(namespace_id, num_blocks)
         if num_blocks > 0:
@@ -78,19 +83,31 @@ class ReservationKeeper:
             self.save()
 
     def restore(self) -> None:
-        """Ask again for the reservations saved by the last run, except those idle since (start-up)."""
+        """Ask again for the reservations saved by the last run, except those idle since (start-up).
+
+        Each entry is checked on its own (the file may be damaged or hostile: ``Infinity``, ``1e400``,
+        10**400): a bad one is dropped with one warning for all, the others are kept; never raises."""
         if self.path is None:
             return
         try:
             saved = json.loads(self.path.read_text())
-            entries = [(str(ns), int(e["blocks"]), float(e["asked_at"])) for ns, e in saved.items()]
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("ignoring unreadable %s: %s", self.path, exc)
             return
+        if not isinstance(saved, dict):
+            log.warning("ignoring %s: not an object", self.path)
+            return
+        entries = [(ns, _valid_entry(ns, entry)) for ns, entry in saved.items()]
+        bad = sorted(ns for ns, entry in entries if entry is None)
+        if bad:
+            log.warning("dropping %d bad entries of %s: %s", len(bad), self.path, ", ".join(bad[:5])[:200])
         now = self.clock()
-        for namespace_id, num_blocks, asked_at in entries:
+        for namespace_id, entry in entries:
+            if entry is None:
+                continue
+            num_blocks, asked_at = entry
             if num_blocks > 0 and (self.idle_s <= 0 or now - asked_at < self.idle_s):
                 self.block_manager.set_reservation(namespace_id, num_blocks)
                 self.asked_at[namespace_id] = min(asked_at, now)
@@ -117,3 +134,23 @@ class ReservationKeeper:
             log.warning("could not save the reservations to %s: %s", self.path, exc)
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+def _valid_entry(namespace_id: object, entry: object) -> tuple[int, float] | None:
+    """(blocks, asked_at) of a saved entry, or None when it is not one ``save`` could have written."""
+    if not isinstance(entry, dict):
+        return None
+    num_blocks, asked_at = entry.get("blocks"), entry.get("asked_at")
+    try:
+        parse_namespace_id(namespace_id)
+    except BadRequest:
+        return None
+    if type(num_blocks) is not int or not 0 <= num_blocks <= MAX_SAVED_BLOCKS:
+        return None
+    if type(asked_at) not in (int, float):
+        return None
+    try:
+        asked_at = float(asked_at)
+    except OverflowError:
+        return None
+    return (num_blocks, asked_at) if math.isfinite(asked_at) else None

@@ -3,6 +3,7 @@ stay protected before its first request), released once its owner has sent nothi
 ``--reservation-idle-s`` (an idle tenant no longer shrinks everyone else's share until a restart)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -49,3 +50,31 @@ async def test_an_idle_dedicated_tenant_gives_its_share_back(make_engine, tmp_pa
     assert engine.stats()["reserved_blocks"] == {}
     await run(engine, "a2", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 32))
     assert engine.stats()["reserved_blocks"] == {"t-a": 32}  # asked again: granted again
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        '{"blocks": Infinity, "asked_at": NOW}',  # json.loads takes Infinity; int(inf) overflowed
+        '{"blocks": 1e400, "asked_at": NOW}',  # 1e400 parses as inf too
+        '{"blocks": 8, "asked_at": 1' + "0" * 400 + "}",  # float(10**400) overflowed
+        '{"blocks": 8, "asked_at": NaN}',
+        '{"blocks": -8, "asked_at": NOW}',
+        '{"blocks": 8.5, "asked_at": NOW}',
+        '{"blocks": true, "asked_at": NOW}',
+        '{"blocks": 1' + "0" * 40 + ', "asked_at": NOW}',
+        '{"blocks": 8}',
+        "[8, NOW]",
+    ],
+)
+async def test_a_hostile_reservations_file_drops_its_bad_entries_and_never_stops_start_up(
+    make_engine, tmp_path, entry
+):
+    first = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    directory = first.store.disk.dir
+    first.stop()
+    good = '{"blocks": 8, "asked_at": NOW}'
+    text = f'{{"t-bad": {entry}, "t-a": {good}}}'.replace("NOW", repr(time.time()))
+    (directory / "~reservations.json").write_text(text)
+    restarted = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)  # before: OverflowError
+    assert restarted.stats()["reserved_blocks"] == {"t-a": 8}  # the good entry is kept, the bad one dropped
