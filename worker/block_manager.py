@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.eviction import BlockId, BlockMeta, make_policy
@@ -167,14 +167,23 @@ class BlockManager:
         the namespaces that ask (one asking for more than the cap cannot starve one asking later), so a
         new request may shrink the others' grants (``on_reservation`` tells which).
         """
-        if self.requested_blocks.get(namespace_id, 0) == max(0, num_blocks):  # every request asks again
-            return self.reserved_blocks.get(namespace_id, 0)
-        if num_blocks > 0:
-            self.requested_blocks[namespace_id] = num_blocks
-        else:
-            self.requested_blocks.pop(namespace_id, None)
-        self._grant_reservations()
+        self.set_reservations({namespace_id: num_blocks})
         return self.reserved_blocks.get(namespace_id, 0)
+
+    def set_reservations(self, num_blocks_by_namespace: Mapping[str, int]) -> None:
+        """``set_reservation`` for many namespaces at once (a start-up, idle ones released together): the
+        grants are shared once, and each namespace whose grant changes is told once."""
+        changed = False
+        for namespace_id, num_blocks in num_blocks_by_namespace.items():
+            if self.requested_blocks.get(namespace_id, 0) == max(0, num_blocks):  # every request asks again
+                continue
+            changed = True
+            if num_blocks > 0:
+                self.requested_blocks[namespace_id] = num_blocks
+            else:
+                self.requested_blocks.pop(namespace_id, None)
+        if changed:
+            self._grant_reservations()
 
     def _grant_reservations(self) -> None:
         """Share ``max_reserved_blocks`` max-min fairly (``max_min_shares``) and report the grants that

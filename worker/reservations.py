@@ -27,7 +27,7 @@ from worker.protocol import BadRequest, parse_namespace_id
 
 log = logging.getLogger("prefixgate.worker.reservations")
 FILE_NAME = "~reservations.json"  # "~": never a namespace's directory name (tiers.disk._safe_dirname)
-MAX_SAVED_BLOCKS = 2**53  # a request beyond any L1 (``ask`` saves at most the L1's blocks)
+MAX_SAVED_BLOCKS = 2**53  # beyond any L1: a request for more is granted the same (saved as this many)
 SAVE_EVERY_S = 30.0  # how stale the saved "last asked" times may get (a crash loses at most this much)
 
 
@@ -50,8 +50,6 @@ class ReservationKeeper:
 
     def ask(self, namespace_id: str, num_blocks: int) -> None:
         """A request's segment asks for ``num_blocks`` (0: its owner is not dedicated, or not any more)."""
-        # More than L1 holds is granted no more than L1 (a share never exceeds it): saved within bounds.
-        num_blocks = min(num_blocks, self.block_manager.num_blocks)
         before = self.block_manager.requested_blocks.get(namespace_id, 0)
         self.block_manager.set_reservation(namespace_id, num_blocks)
         if num_blocks > 0:
@@ -73,12 +71,18 @@ class ReservationKeeper:
             del self.asked_at[namespace_id]  # released meanwhile (purged): saved without it below
             self._dirty = True
         if self.idle_s > 0:
-            for namespace_id, asked in sorted(self.asked_at.items()):
-                if now - asked >= self.idle_s:
-                    log.info(
-                        "releasing the reservation of %s: no request for %.0f s", namespace_id, now - asked
-                    )
-                    self.ask(namespace_id, 0)
+            idle = sorted(ns for ns, asked in self.asked_at.items() if now - asked >= self.idle_s)
+            if idle:  # all at once: the grants shared once and the file written once, not once per owner
+                log.info(
+                    "releasing %d reservations not asked for %.0f s: %s",
+                    len(idle),
+                    self.idle_s,
+                    ", ".join(idle[:5])[:200],
+                )
+                self.block_manager.set_reservations(dict.fromkeys(idle, 0))
+                for namespace_id in idle:
+                    del self.asked_at[namespace_id]
+                self._dirty = True
         if self._dirty:
             self.save()
 
@@ -104,13 +108,13 @@ class ReservationKeeper:
         if bad:
             log.warning("dropping %d bad entries of %s: %s", len(bad), self.path, ", ".join(bad[:5])[:200])
         now = self.clock()
-        for namespace_id, entry in entries:
-            if entry is None:
-                continue
-            num_blocks, asked_at = entry
-            if num_blocks > 0 and (self.idle_s <= 0 or now - asked_at < self.idle_s):
-                self.block_manager.set_reservation(namespace_id, num_blocks)
-                self.asked_at[namespace_id] = min(asked_at, now)
+        kept = {
+            ns: entry
+            for ns, entry in entries
+            if entry is not None and entry[0] > 0 and (self.idle_s <= 0 or now - entry[1] < self.idle_s)
+        }
+        self.block_manager.set_reservations({ns: num_blocks for ns, (num_blocks, _) in kept.items()})
+        self.asked_at.update({ns: min(asked_at, now) for ns, (_, asked_at) in kept.items()})
         self.save()
 
     def save(self) -> None:
@@ -120,7 +124,7 @@ class ReservationKeeper:
             return
         requested = self.block_manager.requested_blocks
         entries = {
-            ns: {"blocks": requested[ns], "asked_at": asked}
+            ns: {"blocks": min(requested[ns], MAX_SAVED_BLOCKS), "asked_at": asked}
             for ns, asked in self.asked_at.items()
             if ns in requested
         }
