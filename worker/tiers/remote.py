@@ -242,8 +242,7 @@ class RemoteTier:
         """Publish this worker's requests and read the other workers' when due (writer thread; at most
         every ``reservation_sync_s`` unless this worker's requests changed). Raises redis errors."""
         if self.requests.due:
-            self.requests.sync()
-            self._grant()
+            self._grant(orphaned=self.requests.sync())
 
     def renew_reservations(self) -> None:
         """While this worker writes nothing (writer thread, idle): renew its requests' leases, so other
@@ -251,16 +250,20 @@ class RemoteTier:
         if not self.requests.mine or not self.available:
             return
         try:
-            self.requests.sync()
+            orphaned = self.requests.sync()
         except ERRORS as exc:
             self._failed(exc)
             return
-        self._grant()
+        self._grant(orphaned=orphaned)
 
-    def _grant(self) -> None:
+    def _grant(self, orphaned: Sequence[str] = ()) -> None:
+        """Grant the quotas from every live worker's requests; the partitions whose quota shrank or went,
+        and those no live request names (``orphaned``: left by a worker that died), are trimmed before the
+        next write (to their quota; 0: emptied)."""
         with self._quota_lock:
             before, self._quotas = self._quotas, max_min_shares(self.requests.asked(), self.budget_bytes // 2)
             self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
+            self._shrunk |= set(orphaned)
         if self._quotas != before:
             self._bound_events()
 
@@ -312,6 +315,7 @@ class RemoteTier:
             self.sync_reservations()
             trimmed = self._trim_shrunk() if self._shrunk else []
             pipe = self.client.pipeline(transaction=False)
+            partitioned: set[str] = set()  # the namespaces written to a partition of their own
             for block, data in zip(blocks, payloads, strict=True):
                 entry = encode_entry(
                     fingerprint=self.fingerprint,
@@ -325,11 +329,15 @@ class RemoteTier:
                 if self.cipher is not None:
                     entry = self.cipher.seal(block.namespace_id, entry)
                 accounting, budget = self._accounting(block.namespace_id)
+                if accounting[0] != self._lru:
+                    partitioned.add(block.namespace_id)
                 keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
                 self._put(
                     keys=keys, args=[entry, self.ttl_ms, _score(now_ms, block.position), budget], client=pipe
                 )
-            evicted = pipe.execute()
+            if partitioned:  # after the writes: a sync emptying it in between still finds its mark
+                pipe.sadd(self.requests.keys[2], *sorted(partitioned))
+            evicted = pipe.execute()[: len(blocks)]
         except ERRORS as exc:
             self._failed(exc)
             return 0
