@@ -8,7 +8,9 @@ worker and namespace, each with a lease in ``<prefix>:~requests:leases``) and gr
 table: what an owner asks is the most any live worker asks for it. A worker renews its leases whenever it
 syncs (on its writer thread, at least every ``sync_s`` while it writes or idles); a worker gone for a
 lease (``lease_s``) no longer counts, and the partitions its owners lose are trimmed by the next worker
-that notices. Time is Redis's own (``TIME``), so workers' clocks need not agree.
+that notices. Every partition written is marked in ``<prefix>:~partitions``, so a partition no live
+request names is emptied even by a worker that never saw the request (its owner's worker died before this
+one started). Time is Redis's own (``TIME``), so workers' clocks need not agree.
 """
 
 from __future__ import annotations
