@@ -98,9 +98,10 @@ class BlockManager:
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
         self.requested_blocks: dict[str, int] = {}  # namespace_id -> reservation its requests ask for
         self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others (granted)
-        # Called with (namespace_id, blocks granted; 0: released) for every grant that changes, shrinks
-        # first. Set by the engine: the tiers below follow the device pool's grants.
-        self.on_reservation: Callable[[str, int], None] | None = None
+        # Called once per regrant with every grant that changed, (namespace_id, blocks granted; 0:
+        # released), shrinks first. Set by the engine: the tiers below follow the device pool's grants
+        # (all at once: a tier regrants once, not once per owner, when many are released together).
+        self.on_reservations: Callable[[list[tuple[str, int]]], None] | None = None
         self._cached_by_ns: Counter[str] = Counter()
         self._evictable_by_ns: Counter[str] = Counter()  # cached blocks that are not pinned
         self.num_evictions = 0
@@ -165,7 +166,7 @@ class BlockManager:
 
         Together the grants never exceed ``max_reserved_blocks``: they are its max-min fair shares among
         the namespaces that ask (one asking for more than the cap cannot starve one asking later), so a
-        new request may shrink the others' grants (``on_reservation`` tells which).
+        new request may shrink the others' grants (``on_reservations`` tells which).
         """
         self.set_reservations({namespace_id: num_blocks})
         return self.reserved_blocks.get(namespace_id, 0)
@@ -192,9 +193,8 @@ class BlockManager:
         before, self.reserved_blocks = self.reserved_blocks, granted
         changed = [(ns, granted.get(ns, 0)) for ns in sorted(before.keys() | granted.keys())]
         changed = [(ns, n) for ns, n in changed if n != before.get(ns, 0)]
-        if self.on_reservation is not None:
-            for namespace_id, num_blocks in sorted(changed, key=lambda c: c[1] > before.get(c[0], 0)):
-                self.on_reservation(namespace_id, num_blocks)
+        if self.on_reservations is not None and changed:
+            self.on_reservations(sorted(changed, key=lambda c: c[1] > before.get(c[0], 0)))
 
     # ---- mutations -----------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:

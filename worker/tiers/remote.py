@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 import torch
@@ -235,7 +235,12 @@ class RemoteTier:
         quotas and shared limit together never exceed ``budget_bytes``. A partition whose quota shrinks or
         goes is trimmed before the next write.
         """
-        if self.requests.ask(namespace_id, num_bytes):  # (every request of a dedicated tenant sets it again)
+        self.set_reservations({namespace_id: num_bytes})
+
+    def set_reservations(self, num_bytes_by_namespace: Mapping[str, int]) -> None:
+        """``set_reservation`` for many owners at once (the quotas granted once)."""
+        changed = [self.requests.ask(ns, num_bytes) for ns, num_bytes in num_bytes_by_namespace.items()]
+        if any(changed):  # (every request of a dedicated tenant sets it again)
             self._grant()
 
     def sync_reservations(self) -> None:
