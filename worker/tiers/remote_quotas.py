@@ -49,8 +49,8 @@ end
 local requests = redis.call('HGETALL', KEYS[1])
 local live = {}
 for i = 1, #requests, 2 do
-  local field = requests[i]
-  live[string.sub(field, string.find(field, '|', 1, true) + 1)] = true
+  local bar = string.find(requests[i], '|', 1, true)
+  if bar then live[string.sub(requests[i], bar + 1)] = true end
 end
 local orphans = {}
 for _, namespace in ipairs(redis.call('SMEMBERS', KEYS[3])) do
