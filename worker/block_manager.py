@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.eviction import BlockId, BlockMeta, make_policy
@@ -98,9 +98,10 @@ class BlockManager:
         self.max_reserved_blocks = int(num_blocks * max_reserved_fraction)
         self.requested_blocks: dict[str, int] = {}  # namespace_id -> reservation its requests ask for
         self.reserved_blocks: dict[str, int] = {}  # namespace_id -> blocks protected from others (granted)
-        # Called with (namespace_id, blocks granted; 0: released) for every grant that changes, shrinks
-        # first. Set by the engine: the tiers below follow the device pool's grants.
-        self.on_reservation: Callable[[str, int], None] | None = None
+        # Called once per regrant with every grant that changed, (namespace_id, blocks granted; 0:
+        # released), shrinks first. Set by the engine: the tiers below follow the device pool's grants
+        # (all at once: a tier regrants once, not once per owner, when many are released together).
+        self.on_reservations: Callable[[list[tuple[str, int]]], None] | None = None
         self._cached_by_ns: Counter[str] = Counter()
         self._evictable_by_ns: Counter[str] = Counter()  # cached blocks that are not pinned
         self.num_evictions = 0
@@ -165,16 +166,25 @@ class BlockManager:
 
         Together the grants never exceed ``max_reserved_blocks``: they are its max-min fair shares among
         the namespaces that ask (one asking for more than the cap cannot starve one asking later), so a
-        new request may shrink the others' grants (``on_reservation`` tells which).
+        new request may shrink the others' grants (``on_reservations`` tells which).
         """
-        if self.requested_blocks.get(namespace_id, 0) == max(0, num_blocks):  # every request asks again
-            return self.reserved_blocks.get(namespace_id, 0)
-        if num_blocks > 0:
-            self.requested_blocks[namespace_id] = num_blocks
-        else:
-            self.requested_blocks.pop(namespace_id, None)
-        self._grant_reservations()
+        self.set_reservations({namespace_id: num_blocks})
         return self.reserved_blocks.get(namespace_id, 0)
+
+    def set_reservations(self, num_blocks_by_namespace: Mapping[str, int]) -> None:
+        """``set_reservation`` for many namespaces at once (a start-up, idle ones released together): the
+        grants are shared once, and each namespace whose grant changes is told once."""
+        changed = False
+        for namespace_id, num_blocks in num_blocks_by_namespace.items():
+            if self.requested_blocks.get(namespace_id, 0) == max(0, num_blocks):  # every request asks again
+                continue
+            changed = True
+            if num_blocks > 0:
+                self.requested_blocks[namespace_id] = num_blocks
+            else:
+                self.requested_blocks.pop(namespace_id, None)
+        if changed:
+            self._grant_reservations()
 
     def _grant_reservations(self) -> None:
         """Share ``max_reserved_blocks`` max-min fairly (``max_min_shares``) and report the grants that
@@ -183,9 +193,8 @@ class BlockManager:
         before, self.reserved_blocks = self.reserved_blocks, granted
         changed = [(ns, granted.get(ns, 0)) for ns in sorted(before.keys() | granted.keys())]
         changed = [(ns, n) for ns, n in changed if n != before.get(ns, 0)]
-        if self.on_reservation is not None:
-            for namespace_id, num_blocks in sorted(changed, key=lambda c: c[1] > before.get(c[0], 0)):
-                self.on_reservation(namespace_id, num_blocks)
+        if self.on_reservations is not None and changed:
+            self.on_reservations(sorted(changed, key=lambda c: c[1] > before.get(c[0], 0)))
 
     # ---- mutations -----------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:

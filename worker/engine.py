@@ -116,7 +116,8 @@ class Engine:
         attach_kv_events(self.kv_events, self.block_manager, "L1")
         if self.store is not None:
             attach_kv_events(self.kv_events, self.store.l2.index, "L2")
-            self.block_manager.on_reservation = self.store.set_reservation  # L2, L3, Redis follow L1's grants
+            # L2, L3 and Redis follow L1's grants
+            self.block_manager.on_reservations = self.store.set_reservations
         # Idle reservations released; the rest saved beside the disk's files and asked again at start-up.
         self.reservations = ReservationKeeper(
             self.block_manager,

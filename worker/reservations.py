@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from worker.block_manager import BlockManager
+from worker.protocol import BadRequest, parse_namespace_id
 
 log = logging.getLogger("prefixgate.worker.reservations")
 FILE_NAME = "~reservations.json"  # "~": never a namespace's directory name (tiers.disk._safe_dirname)
+MAX_SAVED_BLOCKS = 2**53  # beyond any L1: a request for more is granted the same (saved as this many)
 SAVE_EVERY_S = 30.0  # how stale the saved "last asked" times may get (a crash loses at most this much)
 
 
@@ -68,32 +71,50 @@ class ReservationKeeper:
             del self.asked_at[namespace_id]  # released meanwhile (purged): saved without it below
             self._dirty = True
         if self.idle_s > 0:
-            for namespace_id, asked in sorted(self.asked_at.items()):
-                if now - asked >= self.idle_s:
-                    log.info(
-                        "releasing the reservation of %s: no request for %.0f s", namespace_id, now - asked
-                    )
-                    self.ask(namespace_id, 0)
+            idle = sorted(ns for ns, asked in self.asked_at.items() if now - asked >= self.idle_s)
+            if idle:  # all at once: the grants shared once and the file written once, not once per owner
+                log.info(
+                    "releasing %d reservations not asked for %.0f s: %s",
+                    len(idle),
+                    self.idle_s,
+                    ", ".join(idle[:5])[:200],
+                )
+                self.block_manager.set_reservations(dict.fromkeys(idle, 0))
+                for namespace_id in idle:
+                    del self.asked_at[namespace_id]
+                self._dirty = True
         if self._dirty:
             self.save()
 
     def restore(self) -> None:
-        """Ask again for the reservations saved by the last run, except those idle since (start-up)."""
+        """Ask again for the reservations saved by the last run, except those idle since (start-up).
+
+        Each entry is checked on its own (the file may be damaged or hostile: ``Infinity``, ``1e400``,
+        10**400): a bad one is dropped with one warning for all, the others are kept; never raises."""
         if self.path is None:
             return
         try:
             saved = json.loads(self.path.read_text())
-            entries = [(str(ns), int(e["blocks"]), float(e["asked_at"])) for ns, e in saved.items()]
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("ignoring unreadable %s: %s", self.path, exc)
             return
+        if not isinstance(saved, dict):
+            log.warning("ignoring %s: not an object", self.path)
+            return
+        entries = [(ns, _valid_entry(ns, entry)) for ns, entry in saved.items()]
+        bad = sorted(ns for ns, entry in entries if entry is None)
+        if bad:
+            log.warning("dropping %d bad entries of %s: %s", len(bad), self.path, ", ".join(bad[:5])[:200])
         now = self.clock()
-        for namespace_id, num_blocks, asked_at in entries:
-            if num_blocks > 0 and (self.idle_s <= 0 or now - asked_at < self.idle_s):
-                self.block_manager.set_reservation(namespace_id, num_blocks)
-                self.asked_at[namespace_id] = min(asked_at, now)
+        kept = {
+            ns: entry
+            for ns, entry in entries
+            if entry is not None and entry[0] > 0 and (self.idle_s <= 0 or now - entry[1] < self.idle_s)
+        }
+        self.block_manager.set_reservations({ns: num_blocks for ns, (num_blocks, _) in kept.items()})
+        self.asked_at.update({ns: min(asked_at, now) for ns, (_, asked_at) in kept.items()})
         self.save()
 
     def save(self) -> None:
@@ -103,7 +124,7 @@ class ReservationKeeper:
             return
         requested = self.block_manager.requested_blocks
         entries = {
-            ns: {"blocks": requested[ns], "asked_at": asked}
+            ns: {"blocks": min(requested[ns], MAX_SAVED_BLOCKS), "asked_at": asked}
             for ns, asked in self.asked_at.items()
             if ns in requested
         }
@@ -117,3 +138,23 @@ class ReservationKeeper:
             log.warning("could not save the reservations to %s: %s", self.path, exc)
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+def _valid_entry(namespace_id: object, entry: object) -> tuple[int, float] | None:
+    """(blocks, asked_at) of a saved entry, or None when it is not one ``save`` could have written."""
+    if not isinstance(entry, dict):
+        return None
+    num_blocks, asked_at = entry.get("blocks"), entry.get("asked_at")
+    try:
+        parse_namespace_id(namespace_id)
+    except BadRequest:
+        return None
+    if type(num_blocks) is not int or not 0 <= num_blocks <= MAX_SAVED_BLOCKS:
+        return None
+    if type(asked_at) not in (int, float):
+        return None
+    try:
+        asked_at = float(asked_at)
+    except OverflowError:
+        return None
+    return (num_blocks, asked_at) if math.isfinite(asked_at) else None

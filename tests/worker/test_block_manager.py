@@ -170,7 +170,7 @@ def test_reserved_blocks_are_protected_from_other_owners():
 def test_reservations_are_capped_and_shared_max_min_fairly():
     bm = make(num_blocks=64, max_reserved_fraction=0.5)  # 32 blocks reservable
     changes: list[tuple[str, int]] = []
-    bm.on_reservation = lambda ns, granted: changes.append((ns, granted))
+    bm.on_reservations = changes.extend
     assert bm.set_reservation("a", 1000) == 32
     assert bm.set_reservation("b", 8) == 8  # before: 0 (first come took the whole cap)
     assert bm.reserved_blocks == {"a": 24, "b": 8}

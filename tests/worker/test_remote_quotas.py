@@ -68,6 +68,25 @@ def test_a_gone_workers_requests_lapse_and_its_owners_partition_is_trimmed(kv_re
     assert not live.client.hlen(live.requests.keys[0]) and live._quotas == {}
 
 
+def test_a_partition_left_by_a_dead_worker_is_emptied_by_a_worker_that_never_saw_it(kv_redis_url):
+    gone = _worker(kv_redis_url, reservation_lease_s=1.0)
+    gone.set_reservation("t-x", BUDGET)  # alone: its quota is half the budget
+    gone.put([_demoted("t-x", i) for i in range(40)])
+    assert int(gone.client.get(gone._partition("t-x")[2]) or 0) > BUDGET // 3
+    del gone  # killed (SIGKILL, OOM): nobody releases t-x's request, and its lease lapses
+    time.sleep(1.5)
+    fresh = _worker(kv_redis_url, reservation_lease_s=1.0)  # a restart: it never heard of t-x
+    for i in range(60):
+        fresh.put([_demoted("t-s", 5000 + i)])  # ordinary tenants fill the shared LRU, now the whole budget
+    # Before: t-x's partition stayed full until its keys' TTL: the Redis held ~1.5 times its budget.
+    assert _held_bytes(fresh, ["t-x"]) <= BUDGET
+    assert int(fresh.client.get(fresh._partition("t-x")[2]) or 0) == 0
+    time.sleep(1.1)
+    fresh.put([_demoted("t-s", 6000)])  # the next sync forgets the emptied partition: its books and mark
+    assert not fresh.client.exists(*fresh._partition("t-x"))
+    assert not fresh.client.sismember(fresh.requests.keys[2], "t-x")
+
+
 async def test_two_engines_serving_different_dedicated_tenants_agree_on_the_quotas(make_engine, kv_redis_url):
     from tests.worker.conftest import greedy, prompt_of, run
     from tests.worker.test_engine_reservations import seg

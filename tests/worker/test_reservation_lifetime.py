@@ -3,11 +3,15 @@ stay protected before its first request), released once its owner has sent nothi
 ``--reservation-idle-s`` (an idle tenant no longer shrinks everyone else's share until a restart)."""
 
 import asyncio
+import json
+import time
 
 import pytest
 
 from tests.worker.conftest import greedy, prompt_of, run
 from tests.worker.test_engine_reservations import A, B, seg
+from worker.block_manager import BlockManager
+from worker.reservations import ReservationKeeper
 
 
 async def test_a_dedicated_tenants_protection_survives_a_restart(make_engine, tmp_path):
@@ -49,3 +53,53 @@ async def test_an_idle_dedicated_tenant_gives_its_share_back(make_engine, tmp_pa
     assert engine.stats()["reserved_blocks"] == {}
     await run(engine, "a2", prompt_of(1, 40), params=greedy(2), segs=seg("t-a", A, 32))
     assert engine.stats()["reserved_blocks"] == {"t-a": 32}  # asked again: granted again
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        '{"blocks": Infinity, "asked_at": NOW}',  # json.loads takes Infinity; int(inf) overflowed
+        '{"blocks": 1e400, "asked_at": NOW}',  # 1e400 parses as inf too
+        '{"blocks": 8, "asked_at": 1' + "0" * 400 + "}",  # float(10**400) overflowed
+        '{"blocks": 8, "asked_at": NaN}',
+        '{"blocks": -8, "asked_at": NOW}',
+        '{"blocks": 8.5, "asked_at": NOW}',
+        '{"blocks": true, "asked_at": NOW}',
+        '{"blocks": 1' + "0" * 40 + ', "asked_at": NOW}',
+        '{"blocks": 8}',
+        "[8, NOW]",
+    ],
+)
+async def test_a_hostile_reservations_file_drops_its_bad_entries_and_never_stops_start_up(
+    make_engine, tmp_path, entry
+):
+    first = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)
+    directory = first.store.disk.dir
+    first.stop()
+    good = '{"blocks": 8, "asked_at": NOW}'
+    text = f'{{"t-bad": {entry}, "t-a": {good}}}'.replace("NOW", repr(time.time()))
+    (directory / "~reservations.json").write_text(text)
+    restarted = make_engine(num_blocks=64, l3_dir=tmp_path, l3_min_free_bytes=0)  # before: OverflowError
+    assert restarted.stats()["reserved_blocks"] == {"t-a": 8}  # the good entry is kept, the bad one dropped
+
+
+def test_one_tick_releases_every_idle_reservation_at_once_and_saves_once(tmp_path):
+    now = [1000.0]
+    block_manager = BlockManager(2048, 16)
+    keeper = ReservationKeeper(block_manager, idle_s=60, directory=tmp_path, clock=lambda: now[0])
+    for i in range(500):  # 500 dedicated owners asking together: more than the reservable half of L1
+        keeper.ask(f"t-{i}", 4)
+    saves, grants = [], []
+    save = keeper.save
+    keeper.save = lambda: (saves.append(1), save())[1]
+    block_manager.on_reservations = grants.append
+    now[0] += 120  # all idle: the next engine-loop tick releases them all
+    keeper.tick()
+    assert block_manager.requested_blocks == {} and block_manager.reserved_blocks == {}
+    # Before: one rewrite of the whole file per owner, each release regranting the rest (with 2,000 owners:
+    # 2,000 rewrites and 4,293 grant changes told to L2, L3 and Redis one by one, each regranting: 11.6 s
+    # on the engine thread).
+    assert len(saves) == 1
+    # The tiers below (L2, L3, Redis) are told once, each owner's release once: each tier regrants once.
+    assert len(grants) == 1 and sorted(ns for ns, _ in grants[0]) == sorted(f"t-{i}" for i in range(500))
+    assert json.loads((tmp_path / "~reservations.json").read_text()) == {}

@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -478,11 +478,16 @@ class DiskTier:
         reservation any more). The grants (``reserved_bytes``) are max-min fair shares of the reservable
         half of the budget among the owners asking: together they never exceed ``budget_bytes // 2``, so
         owners without a reservation always keep at least half of the disk."""
+        self.set_reservations({namespace_id: num_bytes})
+
+    def set_reservations(self, num_bytes_by_namespace: Mapping[str, int]) -> None:
+        """``set_reservation`` for many owners at once (the grants shared once)."""
         with self._lock:
-            if num_bytes > 0:
-                self.requested_bytes[namespace_id] = num_bytes
-            else:
-                self.requested_bytes.pop(namespace_id, None)
+            for namespace_id, num_bytes in num_bytes_by_namespace.items():
+                if num_bytes > 0:
+                    self.requested_bytes[namespace_id] = num_bytes
+                else:
+                    self.requested_bytes.pop(namespace_id, None)
             self.reserved_bytes = max_min_shares(self.requested_bytes, self.budget_bytes // 2)
 
     def _evictable(self, file_id: int, writer: str) -> bool:

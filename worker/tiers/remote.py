@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 import torch
@@ -235,15 +235,19 @@ class RemoteTier:
         quotas and shared limit together never exceed ``budget_bytes``. A partition whose quota shrinks or
         goes is trimmed before the next write.
         """
-        if self.requests.ask(namespace_id, num_bytes):  # (every request of a dedicated tenant sets it again)
+        self.set_reservations({namespace_id: num_bytes})
+
+    def set_reservations(self, num_bytes_by_namespace: Mapping[str, int]) -> None:
+        """``set_reservation`` for many owners at once (the quotas granted once)."""
+        changed = [self.requests.ask(ns, num_bytes) for ns, num_bytes in num_bytes_by_namespace.items()]
+        if any(changed):  # (every request of a dedicated tenant sets it again)
             self._grant()
 
     def sync_reservations(self) -> None:
         """Publish this worker's requests and read the other workers' when due (writer thread; at most
         every ``reservation_sync_s`` unless this worker's requests changed). Raises redis errors."""
         if self.requests.due:
-            self.requests.sync()
-            self._grant()
+            self._grant(orphaned=self.requests.sync())
 
     def renew_reservations(self) -> None:
         """While this worker writes nothing (writer thread, idle): renew its requests' leases, so other
@@ -251,16 +255,20 @@ class RemoteTier:
         if not self.requests.mine or not self.available:
             return
         try:
-            self.requests.sync()
+            orphaned = self.requests.sync()
         except ERRORS as exc:
             self._failed(exc)
             return
-        self._grant()
+        self._grant(orphaned=orphaned)
 
-    def _grant(self) -> None:
+    def _grant(self, orphaned: Sequence[str] = ()) -> None:
+        """Grant the quotas from every live worker's requests; the partitions whose quota shrank or went,
+        and those no live request names (``orphaned``: left by a worker that died), are trimmed before the
+        next write (to their quota; 0: emptied)."""
         with self._quota_lock:
             before, self._quotas = self._quotas, max_min_shares(self.requests.asked(), self.budget_bytes // 2)
             self._shrunk |= {ns for ns, quota in before.items() if self._quotas.get(ns, 0) < quota}
+            self._shrunk |= set(orphaned)
         if self._quotas != before:
             self._bound_events()
 
@@ -312,6 +320,7 @@ class RemoteTier:
             self.sync_reservations()
             trimmed = self._trim_shrunk() if self._shrunk else []
             pipe = self.client.pipeline(transaction=False)
+            partitioned: set[str] = set()  # the namespaces written to a partition of their own
             for block, data in zip(blocks, payloads, strict=True):
                 entry = encode_entry(
                     fingerprint=self.fingerprint,
@@ -325,11 +334,15 @@ class RemoteTier:
                 if self.cipher is not None:
                     entry = self.cipher.seal(block.namespace_id, entry)
                 accounting, budget = self._accounting(block.namespace_id)
+                if accounting[0] != self._lru:
+                    partitioned.add(block.namespace_id)
                 keys = [self.key(block.namespace_id, block.record.block_hash), *accounting]
                 self._put(
                     keys=keys, args=[entry, self.ttl_ms, _score(now_ms, block.position), budget], client=pipe
                 )
-            evicted = pipe.execute()
+            if partitioned:  # after the writes: a sync emptying it in between still finds its mark
+                pipe.sadd(self.requests.keys[2], *sorted(partitioned))
+            evicted = pipe.execute()[: len(blocks)]
         except ERRORS as exc:
             self._failed(exc)
             return 0

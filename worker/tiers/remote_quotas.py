@@ -8,7 +8,9 @@ worker and namespace, each with a lease in ``<prefix>:~requests:leases``) and gr
 table: what an owner asks is the most any live worker asks for it. A worker renews its leases whenever it
 syncs (on its writer thread, at least every ``sync_s`` while it writes or idles); a worker gone for a
 lease (``lease_s``) no longer counts, and the partitions its owners lose are trimmed by the next worker
-that notices. Time is Redis's own (``TIME``), so workers' clocks need not agree.
+that notices. Every partition written is marked in ``<prefix>:~partitions``, so a partition no live
+request names is emptied even by a worker that never saw the request (its owner's worker died before this
+one started). Time is Redis's own (``TIME``), so workers' clocks need not agree.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import time
 
 import redis
 
-# KEYS[1]: hash '<worker id>|<namespace>' -> bytes asked; KEYS[2]: sorted set of those fields by lease end.
-# ARGV[1]: lease (ms); ARGV[2]: '<worker id>|'; then this worker's whole table, namespace and bytes pairs.
-# Drops lapsed leases and this worker's fields it no longer lists, renews its own, returns the table.
+# KEYS[1]: hash '<worker id>|<namespace>' -> bytes asked; KEYS[2]: sorted set of those fields by lease end;
+# KEYS[3]: set of the namespaces that have a partition (``mark_partitions``). ARGV[1]: lease (ms);
+# ARGV[2]: '<worker id>|'; ARGV[3]: a partition's key prefix less its namespace; then this worker's whole
+# table, namespace and bytes pairs. Drops lapsed leases and this worker's fields it no longer lists, renews
+# its own; forgets the partitions no live request names that are empty (their books deleted). Returns the
+# table and the namespaces of the partitions no live request names that still hold keys (to empty).
 _SYNC_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -30,7 +35,7 @@ for _, field in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local mine = {}
-for i = 3, #ARGV, 2 do mine[ARGV[2] .. ARGV[i]] = ARGV[i + 1] end
+for i = 4, #ARGV, 2 do mine[ARGV[2] .. ARGV[i]] = ARGV[i + 1] end
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   if string.sub(field, 1, #ARGV[2]) == ARGV[2] and mine[field] == nil then
     redis.call('HDEL', KEYS[1], field)
@@ -41,7 +46,25 @@ for field, num_bytes in pairs(mine) do
   redis.call('HSET', KEYS[1], field, num_bytes)
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), field)
 end
-return redis.call('HGETALL', KEYS[1])
+local requests = redis.call('HGETALL', KEYS[1])
+local live = {}
+for i = 1, #requests, 2 do
+  local bar = string.find(requests[i], '|', 1, true)
+  if bar then live[string.sub(requests[i], bar + 1)] = true end
+end
+local orphans = {}
+for _, namespace in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  if not live[namespace] then
+    local part = ARGV[3] .. namespace
+    if redis.call('ZCARD', part .. ':lru') == 0 then
+      redis.call('DEL', part .. ':lru', part .. ':sizes', part .. ':bytes')
+      redis.call('SREM', KEYS[3], namespace)
+    else
+      orphans[#orphans + 1] = namespace
+    end
+  end
+end
+return {requests, orphans}
 """
 
 
@@ -52,7 +75,8 @@ class SharedRequests:
         self, client: redis.Redis, prefix: str, *, sync_s: float = 1.0, lease_s: float = 60.0
     ) -> None:
         self.worker_id = os.urandom(8).hex()
-        self.keys = [f"{prefix}:~requests", f"{prefix}:~requests:leases"]
+        self.keys = [f"{prefix}:~requests", f"{prefix}:~requests:leases", f"{prefix}:~partitions"]
+        self.partition_prefix = f"{prefix}:~quota:"  # + '<namespace>:lru' (and ':sizes', ':bytes')
         self.sync_s, self.lease_ms = sync_s, int(lease_s * 1000)
         self.mine: dict[str, int] = {}  # namespace -> bytes this worker asks for (engine thread writes)
         self.others: dict[str, int] = {}  # namespace -> the most another live worker asks for
@@ -84,15 +108,19 @@ class SharedRequests:
     def due(self) -> bool:
         return time.monotonic() >= self._due
 
-    def sync(self) -> None:
+    def sync(self) -> list[str]:
         """Publish this worker's requests, renew their leases and read the others' (one round trip; writer
-        thread). Raises redis errors (the caller pauses the tier)."""
+        thread); returns the namespaces whose partitions no live worker asks for but still hold keys (the
+        caller empties them: a worker that died with its partition full leaves it to whoever syncs next).
+        Raises redis errors (the caller pauses the tier)."""
         with self._lock:
             pairs = [part for item in sorted(self.mine.items()) for part in item]
             self._due = time.monotonic() + self.sync_s
         mark = f"{self.worker_id}|"
         try:
-            flat = self._script(keys=self.keys, args=[self.lease_ms, mark, *pairs])
+            flat, orphans = self._script(
+                keys=self.keys, args=[self.lease_ms, mark, self.partition_prefix, *pairs]
+            )
         except BaseException:
             self._due = 0.0
             raise
@@ -104,3 +132,4 @@ class SharedRequests:
                 others[namespace_id] = max(others.get(namespace_id, 0), int(value))
         with self._lock:
             self.others = others
+        return [ns.decode() if isinstance(ns, bytes) else ns for ns in orphans]

@@ -514,14 +514,16 @@ class TieredStore:
         self.bandwidth["l2"].record(transfer.num_bytes, transfer.seconds)
 
     # ---- maintenance -------------------------------------------------------------------------------
-    def set_reservation(self, namespace_id: str, num_blocks: int) -> None:
-        """A dedicated owner's quota in L2 (blocks), L3 and Redis (the same number of blocks' bytes)."""
-        self.l2.index.set_reservation(namespace_id, num_blocks)
+    def set_reservations(self, changes: Sequence[tuple[str, int]]) -> None:
+        """Dedicated owners' quotas in L2 (blocks), L3 and Redis (the same number of blocks' bytes), each
+        ``(namespace_id, num_blocks)`` (0: none any more); each tier regrants once for all of them."""
+        self.l2.index.set_reservations(dict(changes))
         if self.disk is not None:
-            self.disk.set_reservation(namespace_id, num_blocks * self.disk.block_payload_bytes)
+            per_file = self.disk.block_payload_bytes
+            self.disk.set_reservations({ns: num_blocks * per_file for ns, num_blocks in changes})
         if self.remote is not None:  # payload plus the entry header (hashes, tokens, checksums)
             per_block = self.remote.codec.payload_bytes(self.block_shape, self.dtype) + 1024
-            self.remote.set_reservation(namespace_id, num_blocks * per_block)
+            self.remote.set_reservations({ns: num_blocks * per_block for ns, num_blocks in changes})
 
     def wait_for_writes(self) -> None:
         """Block until every queued demotion has been written."""
