@@ -14,11 +14,16 @@ import asyncio
 import json
 import socket
 
-from gateway.app import create_app
 from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_CLIENT_CANCELLED
-from tests.gateway.conftest import create_tenant, make_config
+from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_billing import wait_records
-from tests.gateway.test_gateway_stalled_stream import BOUND_S, endless_upstream, silent_client
+from tests.gateway.test_gateway_stalled_stream import (
+    BIG_STREAM,
+    BOUND_S,
+    cutting_gateway,
+    endless_upstream,
+    silent_client,
+)
 from tests.gateway.test_gateway_upstream_openai import PUBLIC_MODEL, front_app, messages
 
 WRITE_TIMEOUT_S = 1.0
@@ -55,20 +60,8 @@ def received_chunks(raw: bytes) -> list[dict]:
 async def test_a_cut_worker_stream_bills_only_what_left_the_gateway(
     aiohttp_client, sqlite_url, tmp_path, worker_url
 ):
-    config = make_config(
-        sqlite_url, tmp_path, worker_urls=(worker_url,), stream_write_timeout_s=WRITE_TIMEOUT_S
-    )
-    gateway = await aiohttp_client(create_app(config))
-    tenant = await create_tenant(gateway)
-    body = {
-        "model": "random-tiny",
-        "prompt": "hello",
-        "stream": True,
-        "max_tokens": 2000,
-        "n": 8,
-        "ignore_eos": True,
-        "logprobs": 5,  # large chunks: the buffer the abort discards holds many tokens
-    }
+    gateway, tenant = await cutting_gateway(aiohttp_client, sqlite_url, tmp_path, worker_url)
+    body = BIG_STREAM  # large chunks: the buffer the abort discards holds many tokens
     async with silent_client(gateway, "/v1/completions", tenant["api_key"], body) as sock:
         rows = await wait_records(gateway, 1, BOUND_S)
         assert [(row.status, row.outcome) for row in rows] == [(499, OUTCOME_CLIENT_CANCELLED)]

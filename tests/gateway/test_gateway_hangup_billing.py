@@ -25,7 +25,7 @@ from tenancy.usage_types import OUTCOME_CLIENT_CANCELLED
 from tests.gateway.conftest import create_tenant, make_config
 from tests.gateway.test_gateway_billing import wait_records
 from tests.gateway.test_gateway_cut_billing import received_chunks
-from tests.gateway.test_gateway_stalled_stream import BOUND_S, silent_client
+from tests.gateway.test_gateway_stalled_stream import BIG_STREAM, BOUND_S, silent_client
 
 # aiohttp's StreamWriter drains only past 64 KiB written, and the drain lets the transport keep 64 KiB.
 MAX_UNMEASURED_BYTES = 2 * 0x10000
@@ -55,15 +55,7 @@ async def test_a_hang_up_is_billed_within_the_buffer_bound_of_what_was_received(
 ):
     gateway = await aiohttp_client(create_app(make_config(sqlite_url, tmp_path, worker_urls=(worker_url,))))
     tenant = await create_tenant(gateway)
-    body = {
-        "model": "random-tiny",
-        "prompt": "hello",
-        "stream": True,
-        "max_tokens": 2000,
-        "n": 8,
-        "ignore_eos": True,
-        "logprobs": 5,
-    }
+    body = BIG_STREAM
     async with silent_client(gateway, "/v1/completions", tenant["api_key"], body) as sock:
         await asyncio.sleep(1.0)  # the buffers fill: writes queue in aiohttp's buffer
         raw = await read_bytes(sock, num_read_bytes)

@@ -61,6 +61,28 @@ async def wait_for(condition, timeout_s: float = BOUND_S) -> bool:
     return True
 
 
+# n=8 choices of 2,000 tokens with logprobs: large chunks, so a client that reads nothing fills its
+# buffers long before the answer ends (the cut, hang-up and tokens-per-minute tests share it).
+BIG_STREAM = {
+    "model": "random-tiny",
+    "prompt": "hello",
+    "stream": True,
+    "n": 8,
+    "max_tokens": 2000,
+    "ignore_eos": True,
+    "logprobs": 5,
+}
+
+
+async def cutting_gateway(aiohttp_client, sqlite_url, tmp_path, worker_url, **tenant_fields):
+    """A gateway over the worker that cuts a stream after WRITE_TIMEOUT_S without progress, and a tenant."""
+    config = make_config(
+        sqlite_url, tmp_path, worker_urls=(worker_url,), stream_write_timeout_s=WRITE_TIMEOUT_S
+    )
+    gateway = await aiohttp_client(create_app(config))
+    return gateway, await create_tenant(gateway, **tenant_fields)
+
+
 async def worker_busy(url: str) -> int:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/stats") as response:
         stats = await response.json()
@@ -70,20 +92,8 @@ async def worker_busy(url: str) -> int:
 async def test_a_worker_stream_nobody_reads_is_cut_and_frees_its_slots(
     aiohttp_client, sqlite_url, tmp_path, worker_url
 ):
-    config = make_config(
-        sqlite_url, tmp_path, worker_urls=(worker_url,), stream_write_timeout_s=WRITE_TIMEOUT_S
-    )
-    gateway = await aiohttp_client(create_app(config))
-    tenant = await create_tenant(gateway)
-    body = {
-        "model": "random-tiny",
-        "prompt": "hello",
-        "stream": True,
-        "n": 8,
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "logprobs": 5,
-    }
+    gateway, tenant = await cutting_gateway(aiohttp_client, sqlite_url, tmp_path, worker_url)
+    body = BIG_STREAM
     gate = gateway.app[ADMISSION]
     async with silent_client(gateway, "/v1/completions", tenant["api_key"], body):
         assert await wait_for(lambda: gate.tenant_to_in_flight.get(tenant["id"]) == 8, 20.0)

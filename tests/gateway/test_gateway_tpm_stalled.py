@@ -15,12 +15,17 @@ import asyncio
 
 from aiohttp import web
 
-from gateway.app import create_app
 from gateway.ratelimit import tokens_key
 from gateway.state import RATE_LIMITER
-from tests.gateway.conftest import create_tenant, make_config
+from tests.gateway.conftest import create_tenant
 from tests.gateway.test_gateway_billing import wait_records
-from tests.gateway.test_gateway_stalled_stream import BOUND_S, silent_client, wait_for
+from tests.gateway.test_gateway_stalled_stream import (
+    BIG_STREAM,
+    BOUND_S,
+    cutting_gateway,
+    silent_client,
+    wait_for,
+)
 from tests.gateway.test_gateway_upstream_openai import PUBLIC_MODEL, front_app, messages
 from tests.gateway.test_gateway_upstream_openai_faults import sse_chunk
 
@@ -48,20 +53,10 @@ async def settled_window(gateway, tenant_id: str, counted: int) -> int:
 async def test_a_stalled_worker_stream_counts_what_the_worker_generated(
     aiohttp_client, sqlite_url, tmp_path, worker_url
 ):
-    config = make_config(
-        sqlite_url, tmp_path, worker_urls=(worker_url,), stream_write_timeout_s=WRITE_TIMEOUT_S
+    gateway, tenant = await cutting_gateway(
+        aiohttp_client, sqlite_url, tmp_path, worker_url, rate_limit_tpm=LIMIT
     )
-    gateway = await aiohttp_client(create_app(config))
-    tenant = await create_tenant(gateway, rate_limit_tpm=LIMIT)
-    body = {
-        "model": "random-tiny",
-        "prompt": "hello",
-        "stream": True,
-        "max_tokens": 2000,
-        "n": 8,
-        "ignore_eos": True,
-        "logprobs": 5,  # large chunks: the client's buffers fill while the worker keeps generating
-    }
+    body = BIG_STREAM  # the client's buffers fill while the worker keeps generating
     async with silent_client(gateway, "/v1/completions", tenant["api_key"], body):
         rows = await wait_records(gateway, 1, BOUND_S)
         assert len(rows) == 1
