@@ -197,11 +197,11 @@ async def _stream(
                             out.mark(call.delivered_tokens)
                     if event.get("type") == "final":
                         usages[index] = event.get("usage") or {}
-                        usage = choices.combined_usage([usages[i] for i in sorted(usages)])
                         last = len(usages) == prepared.sampling.n
+                        usage = choices.combined_usage([usages[i] for i in sorted(usages)]) if last else None
                         reason = event.get("finish_reason", "stop")
                         with _formatting(call):
-                            chunk = writer.final(reason, usage if last else None, index)
+                            chunk = writer.final(reason, usage, index)
                         await out.write(chunk)
                         call.delivered_tokens += held.pop(index, 0)
                         out.mark(call.delivered_tokens)

@@ -29,11 +29,11 @@ from gateway.billing import TenantCall
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.openai_format import ChunkWriter, json_response, start_event_stream
 from gateway.parameters import CHAT, COMPLETIONS, known_names
-from gateway.ratelimit import tokens_key
 from gateway.schemas import ChatRequest, CompletionRequest
 from gateway.slow_clients import AnswerCut, ClientStream, send_answer
-from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, RATE_LIMITER, UPSTREAMS
+from gateway.state import CANONICALIZER, CONFIG, METRICS, PIPELINE, UPSTREAMS
 from gateway.upstream_openai import CLIENT_ISOLATION_FIELDS, OpenAIUpstream, UpstreamRoute, affinity_key
+from gateway.worker_tokens import correct_window, run_shielded
 from policies.chat_text import iter_texts
 from tenancy.usage_types import OUTCOME_CANCELLED_ESTIMATED, OUTCOME_SERVER_ERROR, OUTCOME_USAGE_UNREPORTED
 
@@ -253,26 +253,15 @@ async def settle_token_limit(request: web.Request, call: TenantCall, forwarded: 
     (one token a character) must not let a tenant past its limit through an external upstream. A
     refund goes back to the window the check counted in, if it is still current (a stream may end
     minutes later: review r8 #4); a charge lands in the current one (gateway.ratelimit)."""
-    used = num_limit_tokens_used(call, forwarded)
-    if not call.tenant.rate_limit_tpm or used is None or used == forwarded.num_limit_tokens:
-        return
-    limiter, key = request.config_dict[RATE_LIMITER], tokens_key(call.tenant.tenant_id)
-    if used > forwarded.num_limit_tokens:
-        await limiter.charge(key, used - forwarded.num_limit_tokens)
-    else:
-        await limiter.refund(key, forwarded.num_limit_tokens - used, call.tokens_counted)
-
-
-_SETTLING: set[asyncio.Task] = set()  # corrections under way: a reference until each ends
+    if call.tenant.rate_limit_tpm:
+        await correct_window(
+            request, call, forwarded.num_limit_tokens, num_limit_tokens_used(call, forwarded)
+        )
 
 
 async def _settle_shielded(request: web.Request, call: TenantCall, forwarded: ForwardedRequest) -> None:
-    """``settle_token_limit`` in its own task: a client hanging up (the handler cancelled) while the
-    window is being corrected does not stop the correction (review r13 #2)."""
-    task = asyncio.ensure_future(settle_token_limit(request, call, forwarded))
-    _SETTLING.add(task)
-    task.add_done_callback(_SETTLING.discard)
-    await asyncio.shield(task)
+    """``settle_token_limit`` in its own task (``worker_tokens.run_shielded``)."""
+    await run_shielded(settle_token_limit(request, call, forwarded))
 
 
 def _headers(call: TenantCall, forwarded: ForwardedRequest) -> dict[str, str]:

@@ -19,6 +19,8 @@ hanging up while it runs does not stop it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -63,8 +65,10 @@ def num_worker_tokens_used(call: TenantCall) -> int | None:
     return prompt + completion
 
 
-async def _settle(request: web.Request, call: TenantCall, counted: int) -> None:
-    used = num_worker_tokens_used(call)
+async def correct_window(request: web.Request, call: TenantCall, counted: int, used: int | None) -> None:
+    """Charge or refund the difference between what the check counted and what the request used (None:
+    keep the count): a refund goes back to the window the check counted in, a charge to the current one.
+    Shared by the bundled-worker and the upstream paths (``upstream_serve.settle_token_limit``)."""
     if used is None or used == counted:
         return
     limiter, key = request.config_dict[RATE_LIMITER], tokens_key(call.tenant.tenant_id)
@@ -74,13 +78,19 @@ async def _settle(request: web.Request, call: TenantCall, counted: int) -> None:
         await limiter.refund(key, counted - used, call.tokens_counted)
 
 
+async def run_shielded(correction: Coroutine[Any, Any, None]) -> None:
+    """``correction`` in its own task: a client hanging up (the handler cancelled) while the window is
+    being corrected does not stop the correction (review r13 #2)."""
+    task = asyncio.ensure_future(correction)
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+    await asyncio.shield(task)
+
+
 async def settle_worker_tokens(request: web.Request, call: TenantCall) -> None:
     """Correct the window once (later calls do nothing); only for a request whose check counted."""
     counted = call.worker_limit_tokens
     if counted is None or call.tokens_settled or not call.tenant.rate_limit_tpm:
         return
     call.tokens_settled = True
-    task = asyncio.ensure_future(_settle(request, call, counted))
-    _SETTLING.add(task)
-    task.add_done_callback(_SETTLING.discard)
-    await asyncio.shield(task)
+    await run_shielded(correct_window(request, call, counted, num_worker_tokens_used(call)))

@@ -10,6 +10,7 @@ reaches the ids under every secret still on record).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,11 +33,13 @@ def _salt_key(salt: bytes) -> bytes:
     return blake3.blake3(salt, derive_key_context="prefixgate 2026 namespace salt").digest()
 
 
+@functools.lru_cache(maxsize=4)  # per request (namespace_segments); one entry per secret in use
 def global_namespace_key(salt: bytes) -> NamespaceKey:
     """Key of the common pool of ``shared`` tenants; derived from the secret so a rotation invalidates it."""
     return NamespaceKey(blake3.blake3(b"global-namespace", key=_salt_key(salt)).digest())
 
 
+@functools.lru_cache(maxsize=4)
 def promoted_namespace_key(salt: bytes) -> NamespaceKey:
     """Key of the promoted hot prefixes' KV; derived from the secret so a rotation invalidates it."""
     return NamespaceKey(blake3.blake3(b"promoted-hot-prefixes", key=_salt_key(salt)).digest())
